@@ -1,0 +1,152 @@
+// The OpKernel behind all six ops: reads attributes and the plan, resolves the geometry and the
+// micro-batches, allocates the result and hands the work to a device's ConvLauncher.
+#ifndef TF_UCUDNN_CC_KERNELS_CONV_OP_KERNEL_H_
+#define TF_UCUDNN_CC_KERNELS_CONV_OP_KERNEL_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cc/kernels/conv_attrs.h"
+#include "cc/kernels/conv_geometry.h"
+#include "cc/kernels/micro_batch_plan.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tf_ucudnn {
+
+// Device memory of one convolution. The kernel being run writes one of them: output (forward),
+// input (backprop input) or filter (backprop filter).
+template <typename T>
+struct ConvBuffers {
+  T* input;
+  T* filter;
+  T* output;
+};
+
+// Specialized per device in conv_cpu.cc and conv_gpu.cc.
+template <typename Device, typename T>
+struct ConvLauncher {
+  static absl::Status Run(tensorflow::OpKernelContext* ctx, ConvKernel kernel,
+                          const ConvGeometry& geometry,
+                          const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> buffers);
+};
+
+inline std::vector<int64_t> Dims(const tensorflow::TensorShape& shape) {
+  std::vector<int64_t> dims;
+  for (int i = 0; i < shape.dims(); ++i) dims.push_back(shape.dim_size(i));
+  return dims;
+}
+
+template <typename Device, typename T, ConvKernel kKernel, int kNumSpatialDims>
+class UcudnnConvOp : public tensorflow::OpKernel {
+ public:
+  explicit UcudnnConvOp(tensorflow::OpKernelConstruction* ctx) : tensorflow::OpKernel(ctx) {
+    absl::Status status = ReadConvAttrs(ctx, kNumSpatialDims, &attrs_);
+    OP_REQUIRES(ctx, status.ok(), Describe(status));
+    status = ReadPlanAttrs(ctx, kKernel, OwnPlanAttrs(), &plan_);
+    // The message already shows the rejected plan; plan_ itself stayed empty.
+    OP_REQUIRES(ctx, status.ok(),
+                absl::Status(status.code(), absl::StrCat(type_string(), " '", name(), "' (",
+                                                         KernelName(kKernel), " kernel): ",
+                                                         status.message())));
+  }
+
+  void Compute(tensorflow::OpKernelContext* ctx) override {
+    std::vector<int64_t> input_shape, filter_shape;
+    switch (kKernel) {
+      case ConvKernel::kForward:
+        input_shape = Dims(ctx->input(0).shape());
+        filter_shape = Dims(ctx->input(1).shape());
+        break;
+      case ConvKernel::kBackpropInput:
+        OP_REQUIRES_OK(ctx, ShapeFromSizes(ctx->input(0), "input_sizes", &input_shape));
+        filter_shape = Dims(ctx->input(1).shape());
+        break;
+      case ConvKernel::kBackpropFilter:
+        input_shape = Dims(ctx->input(0).shape());
+        OP_REQUIRES_OK(ctx, ShapeFromSizes(ctx->input(1), "filter_sizes", &filter_shape));
+        break;
+    }
+    ConvGeometry geometry;
+    absl::Status status = ComputeConvGeometry(attrs_, input_shape, filter_shape, &geometry);
+    if (status.ok() && kKernel != ConvKernel::kForward) {
+      status = CheckOutputShape(geometry, Dims(ctx->input(2).shape()));
+    }
+    OP_REQUIRES(ctx, status.ok(), Describe(status));
+
+    std::vector<MicroBatch> micro_batches;
+    status = plan_.Resolve(geometry.batch, &micro_batches);
+    OP_REQUIRES(ctx, status.ok(), Describe(status));
+
+    std::vector<int64_t> result_dims;
+    switch (kKernel) {
+      case ConvKernel::kForward:
+        result_dims = geometry.OutputShape(geometry.batch);
+        break;
+      case ConvKernel::kBackpropInput:
+        result_dims = input_shape;
+        break;
+      case ConvKernel::kBackpropFilter:
+        result_dims = filter_shape;
+        break;
+    }
+    tensorflow::Tensor* result = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape(result_dims), &result));
+
+    ConvBuffers<T> buffers{};
+    switch (kKernel) {
+      case ConvKernel::kForward:
+        buffers = {Mutable(ctx->input(0)), Mutable(ctx->input(1)), Mutable(*result)};
+        break;
+      case ConvKernel::kBackpropInput:
+        buffers = {Mutable(*result), Mutable(ctx->input(1)), Mutable(ctx->input(2))};
+        break;
+      case ConvKernel::kBackpropFilter:
+        buffers = {Mutable(ctx->input(0)), Mutable(*result), Mutable(ctx->input(2))};
+        break;
+    }
+    status = ConvLauncher<Device, T>::Run(ctx, kKernel, geometry, micro_batches, buffers);
+    OP_REQUIRES(ctx, status.ok(), Describe(status));
+  }
+
+ private:
+  // Errors name the op, the node, the plan and the reason.
+  absl::Status Describe(const absl::Status& status) const {
+    if (status.ok()) return status;
+    return absl::Status(status.code(),
+                        absl::StrCat(type_string(), " '", name(), "' (", KernelName(kKernel),
+                                     " kernel, plan ", plan_.DebugString(), "): ",
+                                     status.message()));
+  }
+
+  static absl::Status ShapeFromSizes(const tensorflow::Tensor& sizes, const char* what,
+                                     std::vector<int64_t>* shape) {
+    if (sizes.dims() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " must be a vector, got shape ", sizes.shape().DebugString()));
+    }
+    shape->clear();
+    for (int64_t i = 0; i < sizes.NumElements(); ++i) {
+      const int64_t dim = sizes.dtype() == tensorflow::DT_INT64 ? sizes.vec<int64_t>()(i)
+                                                                 : sizes.vec<int32_t>()(i);
+      if (dim < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(what, " has a negative dimension"));
+      }
+      shape->push_back(dim);
+    }
+    return absl::OkStatus();
+  }
+
+  static T* Mutable(const tensorflow::Tensor& tensor) {
+    return const_cast<T*>(tensor.flat<T>().data());
+  }
+
+  ConvAttrs attrs_;
+  MicroBatchPlan plan_;
+};
+
+}  // namespace tf_ucudnn
+
+#endif  // TF_UCUDNN_CC_KERNELS_CONV_OP_KERNEL_H_

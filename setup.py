@@ -1,0 +1,139 @@
+"""Builds tf_ucudnn's op library against the TensorFlow installed in this environment.
+
+TensorFlow custom ops must be compiled against the exact TensorFlow they load into, so install
+with `pip install --no-build-isolation .`: an isolated build environment would compile against
+another copy of TensorFlow than the one you run.
+
+The cuDNN kernels are compiled when a CUDA toolkit (nvcc) and cuDNN headers and library are found:
+in $CUDA_HOME / $CUDNN_HOME, the system paths, or the nvidia-* wheels that `tensorflow[and-cuda]`
+installs. Set TF_UCUDNN_CPU_ONLY=1 to build the CPU kernels alone.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COMMON_SOURCES = ["cc/ops/conv_ops.cc", "cc/kernels/conv_geometry.cc",
+                  "cc/kernels/micro_batch_plan.cc", "cc/kernels/conv_cpu.cc"]
+GPU_SOURCES = ["cc/kernels/conv_gpu.cc", "cc/kernels/cudnn_support.cc"]
+CUDA_SOURCES = ["cc/kernels/strided_copy.cu.cc"]
+DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
+
+
+def _tensorflow_flags():
+    try:
+        import tensorflow as tf
+    except ImportError:
+        sys.exit("tf_ucudnn: TensorFlow must be importable while building, because the ops are "
+                 "compiled against it. Install tensorflow first, then run "
+                 "`pip install --no-build-isolation .`")
+    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def _site_packages_dirs():
+    return [p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]} if p]
+
+
+def _find_cuda():
+    """Returns (nvcc, include dirs, library dirs) for CUDA and cuDNN, or a reason they are missing."""
+    if os.environ.get("TF_UCUDNN_CPU_ONLY") == "1":
+        return None, "TF_UCUDNN_CPU_ONLY=1"
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = next((os.path.join(h, "bin", "nvcc") for h in homes
+                 if h and os.path.exists(os.path.join(h, "bin", "nvcc"))), shutil.which("nvcc"))
+    if not nvcc:
+        return None, "no nvcc (set CUDA_HOME)"
+    cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    wheel_roots = [os.path.join(p, "nvidia", "cudnn") for p in _site_packages_dirs()]
+    cudnn_roots = [os.environ.get("CUDNN_HOME"), cuda_home, "/usr", *wheel_roots]
+    header_dirs = [d for r in cudnn_roots if r
+                   for d in (os.path.join(r, "include"), os.path.join(r, "include", "x86_64-linux-gnu"))
+                   if os.path.exists(os.path.join(d, "cudnn.h"))]
+    if not header_dirs:
+        return None, f"no cudnn.h (looked under {[r for r in cudnn_roots if r]}; set CUDNN_HOME)"
+    library_dirs = [d for r in cudnn_roots if r
+                    for d in (os.path.join(r, "lib64"), os.path.join(r, "lib"),
+                              os.path.join(r, "lib", "x86_64-linux-gnu"))
+                    if glob.glob(os.path.join(d, "libcudnn.so*"))]
+    if not library_dirs:
+        return None, "cudnn.h found but no libcudnn.so (set CUDNN_HOME)"
+    cuda_lib = next(d for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib"))
+                    if os.path.isdir(d))
+    return {"nvcc": nvcc, "include_dirs": [os.path.join(cuda_home, "include"), *header_dirs],
+            "library_dirs": [cuda_lib, *library_dirs]}, None
+
+
+def _cudnn_link_flag(library_dirs):
+    # pip's cuDNN wheels ship only the versioned name; TensorFlow loads that same library.
+    for d in library_dirs:
+        if os.path.exists(os.path.join(d, "libcudnn.so")):
+            return "-lcudnn"
+    versioned = sorted(glob.glob(os.path.join(library_dirs[0], "libcudnn.so.*")))
+    return "-l:" + os.path.basename(versioned[0])
+
+
+class BuildTensorFlowOps(build_ext):
+    """Compiles the op library with the system compiler and TensorFlow's own flags."""
+
+    def build_extension(self, ext):
+        compile_flags, link_flags = _tensorflow_flags()
+        cuda, missing = _find_cuda()
+        objects_dir = os.path.join(self.build_temp, "tf_ucudnn_ops")
+        os.makedirs(objects_dir, exist_ok=True)
+        cxx = os.environ.get("CXX", "g++")
+        base = [cxx, "-O2", "-fPIC", "-std=c++17", "-I", HERE, *compile_flags,
+                "-Wno-sign-compare", "-Wno-unused-function", "-Wno-deprecated-declarations"]
+        commands, objects = [], []
+        sources = list(COMMON_SOURCES)
+        if cuda:
+            base += ["-DGOOGLE_CUDA=1", *(f"-I{d}" for d in cuda["include_dirs"])]
+            sources += GPU_SOURCES
+            archs = os.environ.get("TF_UCUDNN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).split(";")
+            gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+            gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+            for src in CUDA_SOURCES:
+                obj = os.path.join(objects_dir, os.path.basename(src) + ".o")
+                commands.append([cuda["nvcc"], "-O2", "-std=c++17", "-x", "cu", "-I", HERE,
+                                 "-Xcompiler", "-fPIC", *gencode, "-c", src, "-o", obj])
+                objects.append(obj)
+            print("tf_ucudnn: building the CPU and cuDNN kernels "
+                  f"(nvcc {cuda['nvcc']}, cuDNN from {cuda['include_dirs'][1]})")
+        else:
+            print(f"tf_ucudnn: building the CPU kernels only; GPU kernels skipped: {missing}")
+        for src in sources:
+            obj = os.path.join(objects_dir, os.path.basename(src) + ".o")
+            commands.append([*base, "-c", src, "-o", obj])
+            objects.append(obj)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for command, result in zip(commands, pool.map(self._run, commands)):
+                if result.returncode:
+                    sys.exit(f"tf_ucudnn: compiling failed:\n{' '.join(command)}\n{result.stderr}")
+        output = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        link = [cxx, "-shared", "-o", output, *objects, *link_flags]
+        if cuda:
+            link += [*(f"-L{d}" for d in cuda["library_dirs"]),
+                     *(f"-Wl,-rpath,{d}" for d in cuda["library_dirs"][1:]),
+                     "-lcudart_static", _cudnn_link_flag(cuda["library_dirs"][1:]),
+                     "-ldl", "-lrt", "-lpthread"]
+        result = self._run(link)
+        if result.returncode:
+            sys.exit(f"tf_ucudnn: linking failed:\n{' '.join(link)}\n{result.stderr}")
+
+    @staticmethod
+    def _run(command):
+        return subprocess.run(command, cwd=HERE, capture_output=True, text=True)
+
+
+setup(
+    ext_modules=[Extension("tf_ucudnn._ucudnn_ops", sources=COMMON_SOURCES)],
+    cmdclass={"build_ext": BuildTensorFlowOps},
+)

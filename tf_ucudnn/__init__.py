@@ -1,0 +1,24 @@
+"""tf_ucudnn: micro-batched cuDNN convolutions for TensorFlow.
+
+Importing the package loads the op library and registers the ops' gradients, so graphs and
+SavedModels that contain tf_ucudnn ops load and differentiate once it is imported.
+"""
+
+from tf_ucudnn import gradients as _gradients  # noqa: F401  (registers gradients)
+from tf_ucudnn.ops import (
+    conv2d,
+    conv2d_backprop_filter,
+    conv2d_backprop_input,
+    conv3d,
+    conv3d_backprop_filter,
+    conv3d_backprop_input,
+    gpu_kernels_available,
+)
+from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+
+__all__ = [
+    "Algorithm", "KernelPlan", "LayerPlan", "MicroBatch",
+    "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
+    "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",
+    "gpu_kernels_available",
+]

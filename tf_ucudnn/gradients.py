@@ -1,0 +1,70 @@
+"""Gradients of the micro-batched ops, following TensorFlow's own (tensorflow/python/ops/nn_grad.py).
+
+The gradient of a forward op runs the two backprop ops with the plans the forward op carries for
+them. Second-order gradients (of the backprop ops) use plans chosen at run time.
+"""
+
+import tensorflow as tf
+
+from tf_ucudnn.ops import _ops
+
+_CONV_ATTRS = ("strides", "padding", "explicit_paddings", "data_format", "dilations",
+               "use_cudnn_on_gpu")
+_BACKPROP_OPS = {
+    2: (_ops.ucudnn_conv2d, _ops.ucudnn_conv2d_backprop_input, _ops.ucudnn_conv2d_backprop_filter),
+    3: (_ops.ucudnn_conv3d, _ops.ucudnn_conv3d_backprop_input, _ops.ucudnn_conv3d_backprop_filter),
+}
+
+
+def _attrs(op):
+    return {name: op.get_attr(name) for name in _CONV_ATTRS}
+
+
+def _plan(op, prefix):
+    return {"micro_batches": op.get_attr(prefix + "micro_batches"),
+            "algorithms": op.get_attr(prefix + "algorithms")}
+
+
+def _forward_grad(num_spatial):
+    def grad_fn(op, grad):
+        _, backprop_input, backprop_filter = _BACKPROP_OPS[num_spatial]
+        input, filters = op.inputs
+        return [
+            backprop_input(tf.shape(input), filters, grad, **_attrs(op),
+                           **_plan(op, "backprop_input_")),
+            backprop_filter(input, tf.shape(filters), grad, **_attrs(op),
+                            **_plan(op, "backprop_filter_")),
+        ]
+    return grad_fn
+
+
+def _backprop_input_grad(num_spatial):
+    def grad_fn(op, grad):
+        forward, _, backprop_filter = _BACKPROP_OPS[num_spatial]
+        _, filters, out_backprop = op.inputs
+        return [
+            None,
+            backprop_filter(grad, tf.shape(filters), out_backprop, **_attrs(op)),
+            forward(grad, filters, **_attrs(op)),
+        ]
+    return grad_fn
+
+
+def _backprop_filter_grad(num_spatial):
+    def grad_fn(op, grad):
+        forward, backprop_input, _ = _BACKPROP_OPS[num_spatial]
+        input, _, out_backprop = op.inputs
+        return [
+            backprop_input(tf.shape(input), grad, out_backprop, **_attrs(op)),
+            None,
+            forward(input, grad, **_attrs(op)),
+        ]
+    return grad_fn
+
+
+for _num_spatial in (2, 3):
+    tf.RegisterGradient(f"UcudnnConv{_num_spatial}D")(_forward_grad(_num_spatial))
+    tf.RegisterGradient(f"UcudnnConv{_num_spatial}DBackpropInput")(
+        _backprop_input_grad(_num_spatial))
+    tf.RegisterGradient(f"UcudnnConv{_num_spatial}DBackpropFilter")(
+        _backprop_filter_grad(_num_spatial))

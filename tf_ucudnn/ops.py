@@ -1,0 +1,156 @@
+"""The micro-batched convolution ops, with Python wrappers in the manner of `tf.nn`.
+
+Each op mirrors a TensorFlow convolution op and carries a plan (see `tf_ucudnn.plan`):
+
+    conv2d / conv3d                        <- tf.nn.conv2d / tf.nn.conv3d
+    conv2d_backprop_input / conv3d_...     <- tf.raw_ops.Conv2DBackpropInput / Conv3DBackpropInputV2
+    conv2d_backprop_filter / conv3d_...    <- tf.raw_ops.Conv2DBackpropFilter / Conv3DBackpropFilterV2
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Optional, Sequence, Union
+
+import tensorflow as tf
+from tensorflow.python.framework import kernels
+
+from tf_ucudnn.plan import KernelPlan, LayerPlan
+
+OP_TYPES = (
+    "UcudnnConv2D", "UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter",
+    "UcudnnConv3D", "UcudnnConv3DBackpropInput", "UcudnnConv3DBackpropFilter",
+)
+
+
+def _load_library():
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = glob.glob(os.path.join(here, "_ucudnn_ops*.so"))
+    if not candidates:
+        raise ImportError(
+            f"tf_ucudnn's op library is not built (no _ucudnn_ops*.so in {here}). Build it against "
+            "the installed TensorFlow with `pip install --no-build-isolation -e .`")
+    return tf.load_op_library(candidates[0])
+
+
+_ops = _load_library()
+
+
+def gpu_kernels_available() -> bool:
+    """Whether the library was built with its cuDNN kernels (they run only where a GPU is)."""
+    registered = kernels.get_registered_kernels_for_op("UcudnnConv2D")
+    return any(k.device_type == "GPU" for k in registered.kernel)
+
+
+Padding = Union[str, Sequence[Sequence[int]]]
+
+
+def _sequence(value, num_spatial: int, data_format: str, name: str) -> list[int]:
+    """Expands an int or a spatial-only list to TensorFlow's full-rank form, as tf.nn does."""
+    rank = num_spatial + 2
+    if isinstance(value, int):
+        value = [value]
+    value = [int(v) for v in value]
+    if len(value) == rank:
+        return value
+    if len(value) == 1:
+        value = value * num_spatial
+    if len(value) != num_spatial:
+        raise ValueError(f"{name} should have 1, {num_spatial} or {rank} entries, got {value}")
+    return [1, *value, 1] if data_format.endswith("C") else [1, 1, *value]
+
+
+def _padding_attrs(padding: Padding, num_spatial: int) -> dict:
+    if isinstance(padding, str):
+        padding = padding.upper()
+        if padding not in ("SAME", "VALID"):
+            raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}")
+        return {"padding": padding, "explicit_paddings": []}
+    pairs = [list(map(int, pair)) for pair in padding]
+    if len(pairs) != num_spatial + 2 or any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"explicit padding needs {num_spatial + 2} [before, after] pairs, "
+                         f"got {padding}")
+    return {"padding": "EXPLICIT", "explicit_paddings": [v for pair in pairs for v in pair]}
+
+
+def _conv_attrs(num_spatial, strides, padding, data_format, dilations) -> dict:
+    default_format = "NHWC" if num_spatial == 2 else "NDHWC"
+    data_format = data_format or default_format
+    return {
+        "strides": _sequence(strides, num_spatial, data_format, "strides"),
+        "dilations": _sequence(1 if dilations is None else dilations, num_spatial, data_format,
+                               "dilations"),
+        "data_format": data_format,
+        **_padding_attrs(padding, num_spatial),
+    }
+
+
+def _forward_plan_attrs(plan: Union[LayerPlan, KernelPlan, None]) -> dict:
+    if plan is None:
+        plan = LayerPlan()
+    elif isinstance(plan, KernelPlan):
+        plan = LayerPlan(forward=plan)
+    elif not isinstance(plan, LayerPlan):
+        raise TypeError(f"plan must be a LayerPlan, a KernelPlan or None, got {type(plan).__name__}")
+    attrs = plan.forward.attrs()
+    for prefix, kernel_plan in (("backprop_input_", plan.backprop_input),
+                                ("backprop_filter_", plan.backprop_filter)):
+        attrs.update({prefix + key: value for key, value in kernel_plan.attrs().items()})
+    return attrs
+
+
+def _kernel_plan_attrs(plan: Optional[KernelPlan]) -> dict:
+    if plan is not None and not isinstance(plan, KernelPlan):
+        raise TypeError(f"plan must be a KernelPlan or None, got {type(plan).__name__}")
+    return (plan or KernelPlan()).attrs()
+
+
+def conv2d(input, filters, strides, padding: Padding, data_format: str = "NHWC", dilations=None,
+           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
+    """tf.nn.conv2d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
+    return _ops.ucudnn_conv2d(input, filters, **_conv_attrs(2, strides, padding, data_format, dilations),
+                              **_forward_plan_attrs(plan), name=name)
+
+
+def conv3d(input, filters, strides, padding: Padding, data_format: str = "NDHWC", dilations=None,
+           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
+    """tf.nn.conv3d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
+    return _ops.ucudnn_conv3d(input, filters, **_conv_attrs(3, strides, padding, data_format, dilations),
+                              **_forward_plan_attrs(plan), name=name)
+
+
+def conv2d_backprop_input(input_sizes, filters, out_backprop, strides, padding: Padding,
+                          data_format: str = "NHWC", dilations=None,
+                          plan: Optional[KernelPlan] = None, name: Optional[str] = None):
+    return _ops.ucudnn_conv2d_backprop_input(
+        input_sizes, filters, out_backprop,
+        **_conv_attrs(2, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
+        name=name)
+
+
+def conv2d_backprop_filter(input, filter_sizes, out_backprop, strides, padding: Padding,
+                           data_format: str = "NHWC", dilations=None,
+                           plan: Optional[KernelPlan] = None, name: Optional[str] = None):
+    return _ops.ucudnn_conv2d_backprop_filter(
+        input, filter_sizes, out_backprop,
+        **_conv_attrs(2, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
+        name=name)
+
+
+def conv3d_backprop_input(input_sizes, filters, out_backprop, strides, padding: Padding,
+                          data_format: str = "NDHWC", dilations=None,
+                          plan: Optional[KernelPlan] = None, name: Optional[str] = None):
+    return _ops.ucudnn_conv3d_backprop_input(
+        input_sizes, filters, out_backprop,
+        **_conv_attrs(3, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
+        name=name)
+
+
+def conv3d_backprop_filter(input, filter_sizes, out_backprop, strides, padding: Padding,
+                           data_format: str = "NDHWC", dilations=None,
+                           plan: Optional[KernelPlan] = None, name: Optional[str] = None):
+    return _ops.ucudnn_conv3d_backprop_filter(
+        input, filter_sizes, out_backprop,
+        **_conv_attrs(3, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
+        name=name)
