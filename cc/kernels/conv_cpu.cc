@@ -58,9 +58,13 @@ class CpuConvolution {
       std::vector<A> patches(count * positions_ * row_);
       Im2Col(b.input, first, count, patches.data());
       std::vector<A> out(count * positions_ * g_.out_channels);
-      Matrix(out.data(), count * positions_, g_.out_channels).device(Device()) =
-          Matrix(patches.data(), count * positions_, row_)
-              .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 0));
+      // Eigen's threaded contraction does not write its result when the contracted dimension is
+      // empty; the zeros `out` starts with are then the right answer.
+      if (row_ > 0) {
+        Matrix(out.data(), count * positions_, g_.out_channels).device(Device()) =
+            Matrix(patches.data(), count * positions_, row_)
+                .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 0));
+      }
       ScatterOutput(out.data(), first, count, b.output);
     });
   }
@@ -70,9 +74,11 @@ class CpuConvolution {
     ForEachChunk(micro_batches, [&](int64_t first, int64_t count) {
       std::vector<A> out_grad = GatherOutput(b.output, first, count);
       std::vector<A> patches(count * positions_ * row_);
-      Matrix(patches.data(), count * positions_, row_).device(Device()) =
-          Matrix(out_grad.data(), count * positions_, g_.out_channels)
-              .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 1));
+      if (g_.out_channels > 0) {  // else the zeros patches starts with (see Forward)
+        Matrix(patches.data(), count * positions_, row_).device(Device()) =
+            Matrix(out_grad.data(), count * positions_, g_.out_channels)
+                .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 1));
+      }
       Col2Im(patches.data(), first, count, b.input);
     });
   }
@@ -80,6 +86,9 @@ class CpuConvolution {
   void BackpropFilter(const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> b) {
     std::vector<A> filter_grad(g_.FilterSize(), A(0));
     ForEachChunk(micro_batches, [&](int64_t first, int64_t count) {
+      // An empty output (0 positions) adds nothing; Eigen's contraction over the empty dimension
+      // would add an uninitialized buffer instead.
+      if (count * positions_ == 0) return;
       std::vector<A> patches(count * positions_ * row_);
       Im2Col(b.input, first, count, patches.data());
       std::vector<A> out_grad = GatherOutput(b.output, first, count);

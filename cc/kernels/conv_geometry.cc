@@ -133,13 +133,18 @@ absl::Status ComputeWindowedSize(int64_t input, int64_t filter, int64_t stride, 
     case PaddingKind::kExplicit:
       size->pad_before = explicit_before;
       size->pad_after = explicit_after;
-      size->output = (input + explicit_before + explicit_after - effective_filter) / stride + 1;
+      // As TensorFlow computes it (GetWindowedOutputSizeVerbose): the division truncates toward
+      // zero, so a window that does not fit gives 0, not 1 as "(padded - filter) / stride + 1"
+      // would.
+      size->output =
+          (input + explicit_before + explicit_after - effective_filter + stride) / stride;
       break;
   }
-  if (size->output <= 0) {
+  // An output of size 0 is legal, as in TensorFlow: the result is empty.
+  if (size->output < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "computed output size would be ", size->output, " (input ", input, ", filter ", filter,
-        ", dilation ", dilation, ", stride ", stride, ")"));
+        "computed output size would be negative: ", size->output, " (input ", input, ", filter ",
+        filter, ", dilation ", dilation, ", stride ", stride, ")"));
   }
   return absl::OkStatus();
 }

@@ -1,0 +1,1 @@
+"""Graph passes: finding the convolutions of a graph (and, later, rewriting them)."""

@@ -1,0 +1,126 @@
+"""Measures cuDNN on the GPU: every algorithm of every kernel of each layer at candidate
+micro-batch sizes, through the UcudnnProfileConvolution op (cudnnFind*AlgorithmEx on real
+buffers, with the math TensorFlow uses for the dtype). Results go to a ProfileDatabase, so each
+geometry is measured once per machine and cuDNN version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import tensorflow as tf
+from tqdm.auto import tqdm
+
+from tf_ucudnn import ops
+from tf_ucudnn.plan import KERNELS, MATH_TYPES
+from tf_ucudnn.profiling.database import ProfileDatabase
+from tf_ucudnn.profiling.records import (
+    POWER_OF_TWO,
+    ConvGeometry,
+    ProfileRecord,
+    micro_batch_sizes,
+)
+
+# What the shared H100 profiles were measured with; cudnnFind tries no more than this.
+DEFAULT_WORKSPACE_LIMIT = 4 << 30
+
+
+class ProfilerUnavailable(RuntimeError):
+    """No GPU, or tf_ucudnn was built without its cuDNN kernels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Where measurements are valid: the database keys on both."""
+
+    device: str
+    cudnn_version: int
+
+
+def current_machine(device: str = "/GPU:0") -> Machine:
+    if not ops.gpu_kernels_available():
+        raise ProfilerUnavailable(
+            "tf_ucudnn was built without its cuDNN kernels (no CUDA toolkit or cuDNN found at "
+            "build time); rebuild on a machine with them to profile")
+    gpus = tf.config.list_physical_devices("GPU")
+    index = int(device.rsplit(":", 1)[-1])
+    if index >= len(gpus):
+        raise ProfilerUnavailable(f"no GPU {device}: TensorFlow sees {len(gpus)} GPU(s)")
+    name = tf.config.experimental.get_device_details(gpus[index]).get("device_name", "GPU")
+    with tf.device("/CPU:0"):
+        version = int(ops._ops.ucudnn_cudnn_version())
+    return Machine(name, version)
+
+
+def _full_shape(geometry: ConvGeometry, batch: int, channels: int, spatial) -> list[int]:
+    channels_last = geometry.layout.endswith("C")
+    return [batch, *spatial, channels] if channels_last else [batch, channels, *spatial]
+
+
+def _output_dims(geometry: ConvGeometry) -> tuple[int, ...]:
+    return tuple((size + 2 * pad - ((k - 1) * d + 1)) // s + 1
+                 for size, k, pad, s, d in zip(geometry.input_dims, geometry.filter_dims,
+                                               geometry.pads, geometry.strides, geometry.dilations))
+
+
+def _op_attrs(geometry: ConvGeometry) -> dict:
+    pads = [[p, p] for p in geometry.pads]
+    if geometry.layout.endswith("C"):
+        strides, dilations, pairs = [1, *geometry.strides, 1], [1, *geometry.dilations, 1], \
+            [[0, 0], *pads, [0, 0]]
+    else:
+        strides, dilations, pairs = [1, 1, *geometry.strides], [1, 1, *geometry.dilations], \
+            [[0, 0], [0, 0], *pads]
+    return {"strides": strides, "dilations": dilations, "padding": "EXPLICIT",
+            "explicit_paddings": [v for pair in pairs for v in pair],
+            "data_format": geometry.layout}
+
+
+def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: Machine,
+            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, device: str = "/GPU:0",
+            layer: Optional[str] = None) -> list[ProfileRecord]:
+    """Times every algorithm of one kernel at each micro-batch size, on random data."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    batch = max(sizes)
+    dtype = tf.as_dtype(geometry.dtype)
+    with tf.device(device):
+        def random(shape, seed):
+            return tf.cast(tf.random.stateless_normal(shape, seed=[seed, 0]), dtype)
+        x = random(_full_shape(geometry, batch, geometry.in_channels, geometry.input_dims), 1)
+        w = random([*geometry.filter_dims, geometry.in_channels, geometry.out_channels], 2)
+        dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
+        rows = ops._ops.ucudnn_profile_convolution(
+            x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
+            **_op_attrs(geometry)).numpy()
+    return [ProfileRecord(device=machine.device, cudnn_version=machine.cudnn_version,
+                          geometry=geometry, kernel=kernel, batch_size=int(size), algo=int(algo),
+                          math=MATH_TYPES[int(math)], time_ms=float(time_ms),
+                          workspace_bytes=int(workspace), layer=layer)
+            for size, algo, math, time_ms, workspace, _ in rows]
+
+
+def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
+            database: ProfileDatabase, policy: str = POWER_OF_TWO,
+            kernels: Sequence[str] = KERNELS, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
+            device: str = "/GPU:0", progress: bool = True) -> int:
+    """Measures what the database lacks for (geometry, label) pairs; returns records added.
+
+    A kernel counts as measured when the database has every candidate size for it.
+    """
+    machine = current_machine(device)
+    sizes = micro_batch_sizes(batch_size, policy)
+    todo = []
+    for geometry, label in geometries:
+        for kernel in kernels:
+            known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
+            missing = [s for s in sizes if s not in known]
+            if missing:
+                todo.append((geometry, label, kernel, missing))
+    added = 0
+    for geometry, label, kernel, missing in tqdm(todo, desc="profiling cuDNN", unit="kernel",
+                                                 disable=not progress):
+        added += database.insert(measure(geometry, kernel, missing, machine, workspace_limit,
+                                         device, label))
+    return added
