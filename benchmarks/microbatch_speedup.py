@@ -1,0 +1,198 @@
+"""μ-cuDNN's per-kernel result, measured through tf_ucudnn's ops on this GPU.
+
+For each model: profile every distinct convolution geometry (all algorithms, power-of-two
+micro-batch sizes), then for each workspace limit plan every kernel two ways, both within the limit:
+the best undivided algorithm, and the dynamic program's micro-batched plan. Both plans run through
+the ops, side by side in this one process, and so does TensorFlow's own convolution (its autotuner,
+its default workspace limit) as the plain-TensorFlow reference.
+
+    python benchmarks/microbatch_speedup.py --models alexnet resnet50 --batch 256 \
+        --limits-mib 8 64 512 --out benchmarks/results/microbatch_speedup_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import tensorflow as tf
+
+import tf_ucudnn
+from tf_ucudnn import models
+from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model, unique_geometries
+from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, fastest_configuration
+from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KERNELS
+from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling.profiler import current_machine, profile
+
+MIB = 1 << 20
+
+
+def _output_dims(g):
+    return [(size + 2 * p - ((k - 1) * d + 1)) // s + 1
+            for size, k, p, s, d in zip(g.input_dims, g.filter_dims, g.pads, g.strides,
+                                        g.dilations)]
+
+
+def _tensors(g, batch):
+    """Random input, filter and output gradient for a geometry (its own layout)."""
+    channels_last = g.layout.endswith("C")
+
+    def full(channels, spatial):
+        return [batch, *spatial, channels] if channels_last else [batch, channels, *spatial]
+
+    dtype = tf.as_dtype(g.dtype)
+    normal = lambda shape, seed: tf.cast(tf.random.stateless_normal(shape, [seed, 0]), dtype)
+    return (normal(full(g.in_channels, g.input_dims), 1),
+            normal([*g.filter_dims, g.in_channels, g.out_channels], 2),
+            normal(full(g.out_channels, _output_dims(g)), 3))
+
+
+def _attrs(g):
+    pads = [[p, p] for p in g.pads]
+    if g.layout.endswith("C"):
+        return dict(strides=[1, *g.strides, 1], dilations=[1, *g.dilations, 1],
+                    padding=[[0, 0], *pads, [0, 0]], data_format=g.layout)
+    return dict(strides=[1, 1, *g.strides], dilations=[1, 1, *g.dilations],
+                padding=[[0, 0], [0, 0], *pads], data_format=g.layout)
+
+
+def _runner(g, kernel, x, w, dy, plan):
+    """A zero-argument call of one kernel: tf_ucudnn's op with `plan`, or TensorFlow's if None."""
+    a = _attrs(g)
+    if plan is None:
+        explicit = [v for pair in a["padding"] for v in pair]
+        common = dict(strides=a["strides"], dilations=a["dilations"], padding="EXPLICIT",
+                      explicit_paddings=explicit, data_format=a["data_format"])
+        if kernel == FORWARD:
+            return lambda: tf.raw_ops.Conv2D(input=x, filter=w, **common)
+        if kernel == BACKPROP_INPUT:
+            return lambda: tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w,
+                                                          out_backprop=dy, **common)
+        return lambda: tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w),
+                                                       out_backprop=dy, **common)
+    if kernel == FORWARD:
+        return lambda: tf_ucudnn.conv2d(x, w, plan=plan, **a)
+    if kernel == BACKPROP_INPUT:
+        return lambda: tf_ucudnn.conv2d_backprop_input(tf.shape(x), w, dy, plan=plan, **a)
+    return lambda: tf_ucudnn.conv2d_backprop_filter(x, tf.shape(w), dy, plan=plan, **a)
+
+
+def _time_ms(run, repeats: int, calls: int) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back calls, GPU-synchronized."""
+    run().numpy()  # warm-up: autotuning, allocations
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = run()
+        result.numpy()
+        samples.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls):
+    model = models.load_model(name, "channels_first")
+    layers, skipped = find_conv_layers(trace_model(model, batch))
+    geometries = unique_geometries(layers)
+    profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database)
+    rows = []
+    with tf.device("/GPU:0"):
+        for g, names in geometries.items():
+            x, w, dy = _tensors(g, batch)
+            for kernel in KERNELS:
+                timings = database.timings(machine.device, machine.cudnn_version, g, kernel)
+                row = {"geometry": str(g), "layers": names, "kernel": kernel,
+                       "tensorflow_ms": _time_ms(_runner(g, kernel, x, w, dy, None), repeats,
+                                                 calls),
+                       "limits": {}}
+                for limit in limits_mib:
+                    entry = {}
+                    for label, sizes in (("undivided", [batch]), ("micro_batched", None)):
+                        try:
+                            config = fastest_configuration(kernel, timings, batch, limit * MIB,
+                                                           micro_batch_sizes=sizes)
+                        except NoFeasiblePlanError as error:
+                            entry[label] = {"error": str(error)}
+                            continue
+                        entry[label] = {
+                            "plan": config.plan.to_json(),
+                            "predicted_ms": config.time_ms,
+                            "workspace_bytes": config.workspace_bytes,
+                            "measured_ms": _time_ms(_runner(g, kernel, x, w, dy, config.plan),
+                                                    repeats, calls),
+                        }
+                    row["limits"][str(limit)] = entry
+                rows.append(row)
+                print(f"{name} {g} {kernel}: TF {row['tensorflow_ms']:.3f} ms; " + "; ".join(
+                    f"{limit} MiB undivided {e['undivided'].get('measured_ms', float('nan')):.3f}"
+                    f" vs micro {e['micro_batched'].get('measured_ms', float('nan')):.3f}"
+                    for limit, e in row["limits"].items()), flush=True)
+    return {"model": name, "batch": batch, "conv_layers": len(layers),
+            "distinct_geometries": len(geometries), "skipped": skipped, "kernels": rows,
+            "totals": _totals(rows, limits_mib)}
+
+
+def _totals(rows, limits_mib):
+    """Whole-network sums (each geometry counted once per layer using it)."""
+    totals = {"tensorflow_ms": sum(len(r["layers"]) * r["tensorflow_ms"] for r in rows)}
+    for limit in limits_mib:
+        entry = {}
+        for label in ("undivided", "micro_batched"):
+            runs = [(len(r["layers"]), r["limits"][str(limit)][label]) for r in rows]
+            if any("error" in run for _, run in runs):
+                entry[label] = None
+                continue
+            entry[label] = {key: sum(n * run[key] for n, run in runs)
+                            for key in ("predicted_ms", "measured_ms")}
+        if entry["undivided"] and entry["micro_batched"]:
+            entry["measured_speedup"] = (entry["undivided"]["measured_ms"]
+                                         / entry["micro_batched"]["measured_ms"])
+            entry["predicted_speedup"] = (entry["undivided"]["predicted_ms"]
+                                          / entry["micro_batched"]["predicted_ms"])
+        totals[f"{limit}MiB"] = entry
+    return totals
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["alexnet", "resnet50"])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--limits-mib", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    machine = current_machine()
+    results = {"benchmark": "microbatch_speedup", "device": machine.device,
+               "cudnn_version": machine.cudnn_version, "tensorflow": tf.__version__,
+               "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
+               "host": platform.node(), "dtype": "float32", "layout": "NCHW",
+               "timing": f"median of {args.repeats} x mean of {args.calls} back-to-back calls",
+               "models": []}
+    with ProfileDatabase(args.database) as database:
+        for name in args.models:
+            results["models"].append(benchmark_model(name, args.batch, args.limits_mib, database,
+                                                     machine, args.repeats, args.calls))
+            with open(args.out, "w") as out:
+                json.dump(results, out, indent=1)
+    for model in results["models"]:
+        print(f"\n{model['model']} batch {model['batch']}: {model['conv_layers']} convolutions, "
+              f"TensorFlow's own kernels {model['totals']['tensorflow_ms']:.1f} ms (fwd+bwd)")
+        for limit in args.limits_mib:
+            entry = model["totals"][f"{limit}MiB"]
+            if entry.get("measured_speedup") is None:
+                print(f"  {limit:4d} MiB: some kernel has no plan within the limit")
+                continue
+            print(f"  {limit:4d} MiB: undivided {entry['undivided']['measured_ms']:8.1f} ms, "
+                  f"micro-batched {entry['micro_batched']['measured_ms']:8.1f} ms -> "
+                  f"{entry['measured_speedup']:.2f}x measured "
+                  f"({entry['predicted_speedup']:.2f}x predicted)")
+
+
+if __name__ == "__main__":
+    main()

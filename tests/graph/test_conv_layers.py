@@ -1,0 +1,119 @@
+"""conv_layers: a graph's convolutions as plain data, and the geometry cuDNN runs for each."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn import models
+from tf_ucudnn.graph.conv_layers import (
+    UnsupportedConvolution,
+    conv_layer_of,
+    find_conv_layers,
+    trace_model,
+    unique_geometries,
+)
+
+
+def _graph_of(fn, *specs):
+    return tf.function(fn).get_concrete_function(*specs).graph
+
+
+def _only_conv(graph):
+    layers, skipped = find_conv_layers(graph)
+    assert skipped == []
+    assert len(layers) == 1
+    return layers[0]
+
+
+CASES_2D = [
+    # input (NHWC), filter, strides, padding, dilations
+    ((2, 9, 10, 3), (3, 3, 3, 4), (1, 1), "SAME", (1, 1)),
+    ((2, 9, 10, 3), (3, 3, 3, 4), (2, 2), "SAME", (1, 1)),  # odd total padding: asymmetric
+    ((2, 8, 8, 3), (4, 2, 3, 4), (2, 3), "SAME", (1, 1)),
+    ((2, 9, 10, 3), (3, 3, 3, 4), (1, 1), "VALID", (1, 1)),
+    ((2, 11, 12, 3), (3, 3, 3, 4), (1, 1), "SAME", (2, 3)),
+    ((2, 9, 10, 3), (3, 3, 3, 4), (2, 1), [[0, 0], [1, 2], [0, 3], [0, 0]], (1, 1)),
+]
+
+
+@pytest.mark.parametrize("input_shape,filter_shape,strides,padding,dilations", CASES_2D)
+def test_output_and_cudnn_geometry_agree_with_tensorflow(input_shape, filter_shape, strides,
+                                                         padding, dilations):
+    w = tf.zeros(filter_shape)
+    graph = _graph_of(lambda x: tf.nn.conv2d(x, w, strides, padding, dilations=dilations),
+                      tf.TensorSpec(input_shape))
+    layer = _only_conv(graph)
+    conv_op = next(op for op in graph.get_operations() if op.type == "Conv2D")
+    assert layer.output_spatial() == tuple(conv_op.outputs[0].shape[1:3])
+
+    # The geometry cuDNN runs: input padded by the asymmetric part, symmetric pads: same output.
+    g = layer.cudnn_geometry()
+    x = np.random.default_rng(0).standard_normal(input_shape)
+    wv = np.random.default_rng(1).standard_normal(filter_shape)
+    pads = layer.pads()
+    extra = [[b - s, a - s] for (b, a), s in zip(pads, g.pads)]
+    padded = np.pad(x, [[0, 0], *extra, [0, 0]])
+    assert padded.shape[1:3] == g.input_dims
+    ours = tf.nn.conv2d(padded, wv, strides, [[0, 0], *[[p, p] for p in g.pads], [0, 0]],
+                        dilations=dilations)
+    theirs = tf.nn.conv2d(x, wv, strides, padding, dilations=dilations)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_nchw_and_3d_layers():
+    graph = _graph_of(
+        lambda x, v: (tf.nn.conv2d(x, tf.zeros([3, 3, 4, 8]), 1, "SAME", data_format="NCHW"),
+                      tf.nn.conv3d(v, tf.zeros([3, 3, 3, 2, 5]), [1, 2, 2, 2, 1], "SAME")),
+        tf.TensorSpec([2, 4, 7, 7]), tf.TensorSpec([2, 6, 6, 6, 2]))
+    layers, skipped = find_conv_layers(graph)
+    assert skipped == []
+    by_type = {layer.op_type: layer for layer in layers}
+    nchw, conv3d = by_type["Conv2D"], by_type["Conv3D"]
+    assert nchw.data_format == "NCHW" and nchw.input_spatial == (7, 7)
+    assert nchw.cudnn_geometry().layout == "NCHW"
+    assert nchw.cudnn_geometry().in_channels == 4 and nchw.cudnn_geometry().out_channels == 8
+    assert conv3d.cudnn_geometry().input_dims == (7, 7, 7)  # 6 + 1 extra (SAME pads 0/1)
+    assert conv3d.cudnn_geometry().pads == (0, 0, 0)
+    assert conv3d.output_spatial() == (3, 3, 3)
+
+
+def test_unknown_shapes_are_reported_not_dropped():
+    graph = _graph_of(lambda x: tf.nn.conv2d(x, tf.zeros([3, 3, 3, 4]), 1, "SAME"),
+                      tf.TensorSpec([None, 8, 8, 3]))
+    layers, skipped = find_conv_layers(graph)
+    assert layers == []
+    assert len(skipped) == 1
+    name, reason = skipped[0]
+    assert "Conv2D" in name and "not fully known" in reason
+
+
+def test_grouped_convolution_is_rejected_with_reason():
+    graph = _graph_of(lambda x: tf.nn.conv2d(x, tf.zeros([3, 3, 2, 4]), 1, "SAME"),
+                      tf.TensorSpec([1, 8, 8, 4]))
+    op = next(op for op in graph.get_operations() if op.type == "Conv2D")
+    with pytest.raises(UnsupportedConvolution, match="grouped"):
+        conv_layer_of(op)
+
+
+def test_keras_model_layers_and_shared_geometries():
+    model = models.alexnet("channels_first")
+    layers, skipped = find_conv_layers(trace_model(model, 16))
+    assert skipped == []
+    assert [layer.filter_shape[:2] for layer in layers] == [(11, 11), (5, 5), (3, 3), (3, 3),
+                                                            (3, 3)]
+    assert all(layer.batch_size == 16 for layer in layers)
+    assert [layer.input_spatial for layer in layers] == [(227, 227), (27, 27), (13, 13),
+                                                         (13, 13), (13, 13)]
+    geometries = unique_geometries(layers)
+    assert len(geometries) == 5  # conv4 (384->384) differs from conv3 (256->384) and conv5
+    assert sum(len(names) for names in geometries.values()) == 5
+
+
+def test_shared_geometry_is_counted_once():
+    w = tf.zeros([3, 3, 4, 4])
+    graph = _graph_of(lambda x: tf.nn.conv2d(tf.nn.conv2d(x, w, 1, "SAME"), w, 1, "SAME"),
+                      tf.TensorSpec([2, 8, 8, 4]))
+    layers, _ = find_conv_layers(graph)
+    geometries = unique_geometries(layers)
+    assert len(layers) == 2 and len(geometries) == 1
+    assert sorted(next(iter(geometries.values()))) == sorted(layer.name for layer in layers)
