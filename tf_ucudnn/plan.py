@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Iterable, Mapping, Optional, Sequence
 
 # Kernel names, as in the profile data: one convolution layer has these three.
@@ -39,7 +40,8 @@ class Algorithm:
     math: Optional[str] = None
 
     def __post_init__(self):
-        if self.algo is not None and (not isinstance(self.algo, int) or self.algo < 0):
+        if self.algo is not None and (not isinstance(self.algo, int) or isinstance(self.algo, bool)
+                                      or self.algo < 0):
             raise ValueError(f"algorithm must be a non-negative int or None, got {self.algo!r}")
         if self.math is not None and self.math not in MATH_TYPES:
             raise ValueError(f"math must be one of {MATH_TYPES} or None, got {self.math!r}")
@@ -60,10 +62,10 @@ class Algorithm:
         unknown = set(fields) - {"algo", "math"}
         if unknown or "algo" not in fields:
             raise ValueError(f"cannot parse algorithm {text!r}: expected 'algo=N[,math=NAME]'")
-        try:
-            algo = int(fields["algo"])
-        except ValueError:
-            raise ValueError(f"cannot parse algorithm {text!r}: algo is not an integer") from None
+        # ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
+        if not re.fullmatch(r"[+-]?[0-9]+", fields["algo"]):
+            raise ValueError(f"cannot parse algorithm {text!r}: algo is not an integer")
+        algo = int(fields["algo"])
         return cls(algo=algo, math=fields.get("math"))
 
     def to_attr(self) -> str:
@@ -81,7 +83,7 @@ class MicroBatch:
     algorithm: Algorithm = Algorithm()
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or self.size <= 0:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
             raise ValueError(f"micro-batch size must be a positive int, got {self.size!r}")
 
 
@@ -103,6 +105,10 @@ class KernelPlan:
     def uniform(cls, batch_size: int, micro_batch_size: int,
                 algorithm: Algorithm = Algorithm()) -> "KernelPlan":
         """Equal micro-batches of `micro_batch_size`, the last one taking the remainder."""
+        if batch_size < 0:
+            raise ValueError(f"batch size must not be negative, got {batch_size!r}")
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro-batch size must be positive, got {micro_batch_size!r}")
         full, rest = divmod(batch_size, micro_batch_size)
         sizes = [micro_batch_size] * full + ([rest] if rest else [])
         return cls(tuple(MicroBatch(size, algorithm) for size in sizes))

@@ -86,6 +86,12 @@ absl::Status BackpropShape(InferenceContext* c, int nd, ConvKernel kernel) {
   DimensionHandle batch = c->Dim(out_backprop, attrs.BatchDim());
   if (kernel == ConvKernel::kBackpropInput) {
     TF_RETURN_IF_ERROR(c->Merge(batch, c->Dim(result, attrs.BatchDim()), &batch));
+  } else {
+    // The input holds the batch too: a plan that cannot fit it is an error while out_backprop's
+    // batch is still unknown.
+    ShapeHandle input;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(0), nd + 2, &input));
+    TF_RETURN_IF_ERROR(c->Merge(batch, c->Dim(input, attrs.BatchDim()), &batch));
   }
   return CheckPlanBatch(c, kernel, OwnPlanAttrs(), batch);
 }

@@ -1,0 +1,188 @@
+import dataclasses
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from tf_ucudnn.profiling import (
+    ConvGeometry,
+    ProfileDatabase,
+    ProfileDatabaseError,
+    ProfileRecord,
+    group_by_kernel,
+    read_jsonl,
+    write_jsonl,
+)
+from tf_ucudnn.profiling.database import APPLICATION_ID
+
+H100 = "NVIDIA H100 80GB HBM3"
+GEOMETRY = ConvGeometry(in_channels=64, out_channels=64, input_dims=(56, 56), filter_dims=(3, 3),
+                        pads=(1, 1), strides=(1, 1), dilations=(1, 1), dtype="float32",
+                        layout="NCHW")
+
+
+def record(batch_size=32, algo=1, math="default", time_ms=1.0, device=H100, cudnn_version=91400,
+           geometry=GEOMETRY, kernel="fwd", workspace_bytes=1024):
+    return ProfileRecord(device, cudnn_version, geometry, kernel, batch_size, algo, math, time_ms,
+                         workspace_bytes)
+
+
+def test_timings_match_the_measured_file(tmp_path, profiles_dir):
+    records = read_jsonl(profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl")
+    with ProfileDatabase(tmp_path / "profiles.db") as db:
+        assert db.insert(records) == len(records)
+    # A second process (here: a second connection) sees them all.
+    with ProfileDatabase(tmp_path / "profiles.db") as db:
+        assert len(db) == len(records)
+        for key, table in group_by_kernel(records).items():
+            assert db.timings(key.device, key.cudnn_version, key.geometry, key.kernel) == table
+
+
+def test_measuring_again_replaces_the_old_row(tmp_path):
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert([record(time_ms=2.0), record(algo=0, time_ms=3.0)])
+        db.insert([record(time_ms=1.5, workspace_bytes=7)])
+        assert len(db) == 2
+        [(size, timings)] = db.timings(H100, 91400, GEOMETRY, "fwd").items()
+        assert size == 32
+        assert [(t.algo, t.time_ms, t.workspace_bytes) for t in timings] == [(1, 1.5, 7),
+                                                                           (0, 3.0, 1024)]
+
+
+def test_every_key_field_separates_measurements(tmp_path):
+    other_geometry = dataclasses.replace(GEOMETRY, strides=(2, 2))
+    variants = [record(), record(device="NVIDIA A100-SXM4-80GB"), record(cudnn_version=90100),
+                record(geometry=dataclasses.replace(GEOMETRY, dtype="float16")),
+                record(geometry=dataclasses.replace(GEOMETRY, layout="NHWC")),
+                record(geometry=other_geometry), record(kernel="bwd_data"), record(batch_size=16),
+                record(algo=0), record(math="tensor_op")]
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert(variants)
+        assert len(db) == len(variants)
+        table = db.timings(H100, 91400, GEOMETRY, "fwd")
+        assert {size: [(t.algo, t.math) for t in timings] for size, timings in table.items()} == \
+            {16: [(1, "default")], 32: [(0, "default"), (1, "default"), (1, "tensor_op")]}
+        assert db.timings(H100, 91400, other_geometry, "fwd") == {32: (record().timing,)}
+        assert db.timings(H100, 91500, GEOMETRY, "fwd") == {}
+
+
+def test_jsonl_import_export_round_trip(tmp_path, profiles_dir):
+    source = profiles_dir / "h100-cudnn9.14-fp16-nhwc.jsonl"
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        assert db.import_jsonl(source) == 810
+        assert db.export_jsonl(tmp_path / "out.jsonl") == 810
+    exported = read_jsonl(tmp_path / "out.jsonl")
+    # Layer labels are not stored; everything else is.
+    unlabeled = [dataclasses.replace(r, layer=None) for r in read_jsonl(source)]
+    assert sorted(exported, key=repr) == sorted(unlabeled, key=repr)
+    with ProfileDatabase(tmp_path / "again.db") as db:
+        db.import_jsonl(tmp_path / "out.jsonl")
+        assert sorted(db.records(), key=repr) == sorted(exported, key=repr)
+
+
+def test_database_is_in_wal_mode_and_marked_as_ours(tmp_path):
+    ProfileDatabase(tmp_path / "p.db").close()
+    connection = sqlite3.connect(tmp_path / "p.db")
+    assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert connection.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    connection.close()
+
+
+def _write_batches(path, worker, batches, per_batch, start):
+    start.wait()  # all workers open and write at the same moment
+    with ProfileDatabase(path) as db:
+        for batch in range(batches):
+            db.insert([record(batch_size=1 + worker, algo=batch % 8, time_ms=float(i),
+                              kernel="fwd", workspace_bytes=batch * per_batch + i,
+                              geometry=dataclasses.replace(GEOMETRY, in_channels=1 + i,
+                                                           out_channels=1 + batch))
+                       for i in range(per_batch)])
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "shared.db"  # not created yet: the writers also race to create it
+    workers, batches, per_batch = 4, 25, 8
+    context = multiprocessing.get_context("fork")
+    start = context.Barrier(workers)
+    processes = [context.Process(target=_write_batches,
+                                 args=(path, worker, batches, per_batch, start))
+                 for worker in range(workers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert [p.exitcode for p in processes] == [0] * workers
+    with ProfileDatabase(path) as db:
+        assert len(db) == workers * batches * per_batch
+        rows = {(r.batch_size, r.workspace_bytes) for r in db.records()}
+    assert rows == {(1 + worker, n) for worker in range(workers)
+                    for n in range(batches * per_batch)}
+
+
+def test_file_that_is_not_sqlite_gives_a_clear_error(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_text("these are my notes, not a database\n" * 50)
+    with pytest.raises(ProfileDatabaseError, match=r"notes\.db: .*not a SQLite database") as error:
+        ProfileDatabase(path)
+    assert error.value.path == str(path)
+    assert path.read_text().startswith("these are my notes")
+
+
+def test_damaged_database_gives_a_clear_error(tmp_path, profiles_dir):
+    path = tmp_path / "damaged.db"
+    with ProfileDatabase(path) as db:
+        db.import_jsonl(profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl")
+    data = bytearray(path.read_bytes())
+    data[4096 + 50: 3 * 4096] = b"\xab" * (3 * 4096 - 4096 - 50)  # scribble over pages 2 and 3
+    path.write_bytes(bytes(data))
+    # The damage shows when the pages are read: at open or at the first query, never as a crash.
+    with pytest.raises(ProfileDatabaseError, match=r"damaged\.db: .*damaged"):
+        with ProfileDatabase(path) as db:
+            list(db.records())
+    path.write_bytes(bytes(data[:50]))  # truncated inside the header
+    with pytest.raises(ProfileDatabaseError, match=r"damaged\.db: .*damaged"):
+        ProfileDatabase(path)
+
+
+def test_foreign_sqlite_file_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "other.db"
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE measurements (x INTEGER)")
+    connection.execute("INSERT INTO measurements VALUES (1)")
+    connection.commit()
+    connection.close()
+    before = path.read_bytes()
+    with pytest.raises(ProfileDatabaseError, match=r"other\.db: .*something else"):
+        ProfileDatabase(path)
+    assert path.read_bytes() == before
+
+
+def test_other_schema_version_is_refused(tmp_path):
+    path = tmp_path / "future.db"
+    ProfileDatabase(path).close()
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA user_version = 99")
+    connection.close()
+    with pytest.raises(ProfileDatabaseError, match=r"future\.db: schema version 99"):
+        ProfileDatabase(path)
+
+
+def test_empty_file_becomes_a_database(tmp_path):
+    path = tmp_path / "empty.db"
+    path.touch()
+    with ProfileDatabase(path) as db:
+        db.insert([record()])
+        assert len(db) == 1
+
+
+def test_unopenable_path_gives_a_clear_error(tmp_path):
+    with pytest.raises(ProfileDatabaseError, match="cannot open"):
+        ProfileDatabase(tmp_path / "no such directory" / "p.db")
+
+
+def test_jsonl_written_by_hand_imports(tmp_path):
+    path = tmp_path / "hand.jsonl"
+    write_jsonl(path, [record(batch_size=8), record(batch_size=8, algo=2, time_ms=0.5)])
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.import_jsonl(path)
+        assert [t.algo for t in db.timings(H100, 91400, GEOMETRY, "fwd")[8]] == [2, 1]

@@ -1,0 +1,147 @@
+import dataclasses
+import json
+
+import pytest
+
+from tf_ucudnn.plan import Algorithm
+from tf_ucudnn.profiling import (
+    ConvGeometry,
+    ProfileRecord,
+    group_by_kernel,
+    micro_batch_sizes,
+    read_jsonl,
+    write_jsonl,
+)
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+ALEXNET_CONV2 = ConvGeometry(in_channels=96, out_channels=256, input_dims=(27, 27),
+                             filter_dims=(5, 5), pads=(2, 2), strides=(1, 1), dilations=(1, 1),
+                             dtype="float32", layout="NCHW")
+
+VOLUME = ConvGeometry(in_channels=4, out_channels=8, input_dims=(16, 32, 32), filter_dims=(3, 3, 3),
+                      pads=(1, 0, 1), strides=(1, 2, 2), dilations=(1, 1, 2), dtype="float16",
+                      layout="NDHWC")
+
+
+def test_reads_the_shared_layout(profiles_dir):
+    records = read_jsonl(profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl")
+    assert len(records) == 1800
+    assert {(r.device, r.cudnn_version) for r in records} == {(H100, 91400)}
+    conv2 = [r for r in records if r.layer == "alexnet.conv2"]
+    assert {r.geometry for r in conv2} == {ALEXNET_CONV2}
+    # The first alexnet.conv1 line: algo 1 with math 2, i.e. TF32 tensor ops.
+    first = records[0]
+    assert (first.layer, first.kernel, first.batch_size, first.algo, first.math) == \
+        ("alexnet.conv1", "fwd", 256, 1, "tensor_op_allow_conversion")
+    assert first.timing.algorithm == Algorithm(1, "tensor_op_allow_conversion")
+    assert first.time_ms == 2.02672 and first.workspace_bytes == 455806096
+
+
+def test_fp16_file_reads_as_nhwc(profiles_dir):
+    records = read_jsonl(profiles_dir / "h100-cudnn9.14-fp16-nhwc.jsonl")
+    assert len(records) == 810
+    assert {(r.geometry.dtype, r.geometry.layout) for r in records} == {("float16", "NHWC")}
+
+
+def test_lines_without_device_take_the_given_one(tmp_path):
+    line = {"layer": "x", "in_channels": 3, "height": 8, "width": 8, "out_channels": 4,
+            "kernel_h": 3, "kernel_w": 3, "pad": 1, "stride": 1, "dtype": "float32",
+            "format": "NCHW", "kernel": "fwd", "batch": 2, "algo": 0, "math": 0,
+            "time_ms": 0.5, "workspace_bytes": 0}
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=r"old\.jsonl:1: .*no device"):
+        read_jsonl(path)
+    [record] = read_jsonl(path, device=H100, cudnn_version=91400)
+    assert (record.device, record.cudnn_version, record.math) == (H100, 91400, "default")
+
+
+def test_jsonl_round_trip_keeps_every_field(tmp_path):
+    records = [
+        ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.19747, 43168403,
+                      layer="alexnet.conv2"),
+        ProfileRecord("other GPU", 90100, VOLUME, "bwd_filter", 7, 6, "tensor_op", 1.5, 12),
+    ]
+    path = tmp_path / "profile.jsonl"
+    assert write_jsonl(path, records) == 2
+    assert read_jsonl(path) == records
+
+
+def test_shared_file_survives_our_writer(tmp_path, profiles_dir):
+    records = read_jsonl(profiles_dir / "h100-cudnn9.14-fp16-nhwc.jsonl")
+    write_jsonl(tmp_path / "copy.jsonl", records)
+    assert read_jsonl(tmp_path / "copy.jsonl") == records
+
+
+def test_bad_line_names_file_and_line(tmp_path):
+    good = ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.2, 0)
+    path = tmp_path / "bad.jsonl"
+    write_jsonl(path, [good])
+    with open(path, "a") as out:
+        out.write("\n" + json.dumps({**good.to_json(), "algo": 9}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: .*fwd algorithm"):
+        read_jsonl(path)
+    path.write_text('{"device": "x", "cudnn": 1}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: .*missing field"):
+        read_jsonl(path)
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(layout="NHWC", input_dims=(4, 4, 4), filter_dims=(1, 1, 1), pads=(0, 0, 0),
+          strides=(1, 1, 1), dilations=(1, 1, 1)), "layout of a 3-D"),
+    (dict(pads=(1,)), "pads"),
+    (dict(strides=(0, 1)), "positive"),
+    (dict(input_dims=(8,), filter_dims=(1,), pads=(0,), strides=(1,), dilations=(1,)), "2 or 3"),
+])
+def test_geometry_rejects_inconsistent_fields(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(ALEXNET_CONV2, **change)
+
+
+def test_record_rejects_bad_values():
+    fields = dict(device=H100, cudnn_version=91400, geometry=ALEXNET_CONV2, kernel="fwd",
+                  batch_size=32, algo=1, math="default", time_ms=0.2, workspace_bytes=0)
+    for change, message in [({"kernel": "forward"}, "kernel"), ({"batch_size": 0}, "batch size"),
+                            ({"batch_size": True}, "batch size"),
+                            ({"kernel": "bwd_data", "algo": 6}, "bwd_data algorithm"),
+                            ({"math": "tf32"}, "math"), ({"time_ms": float("nan")}, "time_ms"),
+                            ({"workspace_bytes": -1}, "workspace")]:
+        with pytest.raises(ValueError, match=message):
+            ProfileRecord(**{**fields, **change})
+
+
+def test_geometry_shape_key_round_trips_and_is_canonical():
+    key = VOLUME.shape_key()
+    assert ConvGeometry.from_shape_key(key, "float16", "NDHWC") == VOLUME
+    assert VOLUME.conv_kind == "conv3d" and ALEXNET_CONV2.conv_kind == "conv2d"
+    # Lists or tuples, the same geometry gives the same key.
+    as_lists = dataclasses.replace(VOLUME, input_dims=[16, 32, 32])
+    assert as_lists.shape_key() == key
+
+
+def test_micro_batch_size_policies():
+    assert micro_batch_sizes(256, "undivided") == (256,)
+    assert micro_batch_sizes(256, "power_of_two") == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert micro_batch_sizes(100, "power_of_two") == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert micro_batch_sizes(1, "power_of_two") == (1,)
+    assert micro_batch_sizes(5, "all") == (1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="policy"):
+        micro_batch_sizes(8, "halves")
+    with pytest.raises(ValueError, match="positive"):
+        micro_batch_sizes(0, "all")
+
+
+def test_group_by_kernel_builds_fastest_first_tables(profiles_dir):
+    records = read_jsonl(profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl")
+    tables = group_by_kernel(records)
+    assert len(tables) == 30  # 10 layers x 3 kernels
+    assert sum(len(t) for table in tables.values() for t in table.values()) == len(records)
+    for table in tables.values():
+        assert list(table) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+        for timings in table.values():
+            times = [t.time_ms for t in timings]
+            assert times == sorted(times)

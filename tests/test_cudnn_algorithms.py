@@ -1,0 +1,68 @@
+"""Every legacy cuDNN algorithm of every kernel, on the GPU: each one either computes the same
+convolution as TensorFlow or is refused with an error naming it — never a wrong result or a
+crash. Layouts and dtypes matter to cuDNN's support, so both are swept."""
+
+import pytest
+import tensorflow as tf
+
+import reference
+import tf_ucudnn
+from tf_ucudnn.plan import ALGORITHM_COUNTS, KERNELS
+
+pytestmark = pytest.mark.gpu
+
+# FFT and Winograd algorithms compute in a transformed basis, whose rounding grows with the
+# transform size (Lavin & Gray 2016; cuDNN documents them as less accurate): a wider bound.
+TRANSFORM_ALGORITHMS = {"fwd": {4, 5, 6, 7}, "bwd_data": {2, 3, 4, 5}, "bwd_filter": {2, 4, 5, 6}}
+
+CONFIGS = {
+    "NCHW": reference.Conv((5, 3, 9, 10), (3, 3, 3, 4), padding="SAME", data_format="NCHW"),
+    "NHWC": reference.Conv((5, 9, 10, 3), (3, 3, 3, 4), padding="SAME", data_format="NHWC"),
+    "NCHW-stride2": reference.Conv((5, 3, 9, 10), (3, 3, 3, 4), strides=(2, 2), padding="SAME",
+                                   data_format="NCHW"),
+}
+
+
+def _run(kernel, cfg, x, w, dy, plan):
+    if kernel == "fwd":
+        return tf_ucudnn.conv2d(x, w, **cfg.kwargs(), plan=plan)
+    if kernel == "bwd_data":
+        return tf_ucudnn.conv2d_backprop_input(cfg.input_shape, w, dy, **cfg.kwargs(), plan=plan)
+    return tf_ucudnn.conv2d_backprop_filter(x, cfg.filter_shape, dy, **cfg.kwargs(), plan=plan)
+
+
+def _expected(kernel, cfg, x, w, dy):
+    if kernel == "fwd":
+        return reference.conv(x, w, cfg)
+    if kernel == "bwd_data":
+        return reference.backprop_input(cfg.input_shape, w, dy, cfg)
+    return reference.backprop_filter(x, cfg.filter_shape, dy, cfg)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_algorithm_is_right_or_refused(gpu_device, kernel, config, dtype, rng):
+    cfg = CONFIGS[config]
+    x = reference.random(cfg.input_shape, dtype, rng)
+    w = reference.random(cfg.filter_shape, dtype, rng)
+    dy = reference.random(cfg.output_shape, dtype, rng)
+    expected = _expected(kernel, cfg, x, w, dy)
+    scale = _expected(kernel, cfg, tf.abs(x), tf.abs(w), tf.abs(dy))
+    ran, refused = [], []
+    for algo in range(ALGORITHM_COUNTS[kernel]):
+        plan = tf_ucudnn.KernelPlan.of((2, algo), (3, algo))
+        try:
+            with tf.device(gpu_device):
+                result = _run(kernel, cfg, x, w, dy, plan)
+        except tf.errors.InvalidArgumentError as error:
+            assert f"does not support algorithm {algo} " in error.message, error.message
+            assert "[2@algo=" in error.message  # names the plan
+            refused.append(algo)
+            continue
+        reference.assert_close(result, expected, scale, dtype, f"{kernel} algorithm {algo}",
+                               roundings=(8 if algo in TRANSFORM_ALGORITHMS[kernel] else 1)
+                               * (2 if kernel == "bwd_filter" else 1))
+        ran.append(algo)
+    print(f"{kernel} {config} {dtype.name}: ran {ran}, refused {refused}")
+    assert ran, f"cuDNN ran no {kernel} algorithm at all for {cfg}"

@@ -1,0 +1,640 @@
+"""tf_ucudnn.ops: the forward and backprop ops against TensorFlow's, and every bad input."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ucudnn
+from reference import (CONV2D_CASES, CONV3D_CASES, Conv, assert_close, assert_on_device,
+                       backprop_filter, backprop_input, check_conv, conv, kernel_plan, random,
+                       safe_algorithms)
+from tf_ucudnn.ops import _ops
+from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+
+ALL_CASES = CONV2D_CASES + CONV3D_CASES
+DTYPES = [tf.float64, tf.float32, tf.float16, tf.bfloat16]
+
+
+def _ids(cases):
+    return [case.id for case in cases]
+
+
+def _forward(nd):
+    return tf_ucudnn.conv2d if nd == 2 else tf_ucudnn.conv3d
+
+
+def _backprop_input(nd):
+    return tf_ucudnn.conv2d_backprop_input if nd == 2 else tf_ucudnn.conv3d_backprop_input
+
+
+def _backprop_filter(nd):
+    return tf_ucudnn.conv2d_backprop_filter if nd == 2 else tf_ucudnn.conv3d_backprop_filter
+
+
+# ------------------------------------------------------------------------------ forward, per case
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
+def test_forward_matches_tf(device, case, rng):
+    check_conv(device, case.cfg, tf.float32, case.plan().forward, rng, grads=False)
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
+def test_forward_float64(device, case, rng):
+    check_conv(device, case.cfg, tf.float64, case.plan(), rng, grads=False)
+
+
+_NHWC_CASES = [c for c in CONV2D_CASES if c.cfg.fmt == "NHWC"]
+
+
+@pytest.mark.parametrize("case", _NHWC_CASES, ids=_ids(_NHWC_CASES))
+def test_conv2d_equals_tf_nn_conv2d_in_float32(case, rng):
+    """Straight against tf.nn.conv2d in float32, no reference helpers (the CPU runs NHWC with
+    dilations and explicit padding): also vouches for the float64 references."""
+    cfg = case.cfg
+    x = random(cfg.input_shape, tf.float32, rng)
+    w = random(cfg.filter_shape, tf.float32, rng)
+    with tf.device("/CPU:0"):
+        expected = tf.nn.conv2d(x, w, strides=cfg.spatial_strides, padding=cfg.padding,
+                                dilations=cfg.spatial_dilations)
+        actual = tf_ucudnn.conv2d(x, w, strides=cfg.spatial_strides, padding=cfg.padding,
+                                  dilations=cfg.spatial_dilations, plan=case.plan())
+    scale = tf.nn.conv2d(tf.abs(x), tf.abs(w), strides=cfg.spatial_strides, padding=cfg.padding,
+                         dilations=cfg.spatial_dilations)
+    assert_close(actual, expected, 2 * scale, tf.float32, str(cfg))
+    assert_close(conv(x, w, cfg), expected, 2 * scale, tf.float32, "reference")
+
+
+_NDHWC_CASES = [c for c in CONV3D_CASES if c.cfg.fmt == "NDHWC" and c.cfg.padding == "VALID"
+                and c.cfg.spatial_dilations == [1, 1, 1]]
+
+
+@pytest.mark.parametrize("case", _NDHWC_CASES, ids=_ids(_NDHWC_CASES))
+def test_conv3d_equals_tf_nn_conv3d_in_float32(case, rng):
+    cfg = case.cfg
+    x = random(cfg.input_shape, tf.float32, rng)
+    w = random(cfg.filter_shape, tf.float32, rng)
+    strides = [1, *cfg.spatial_strides, 1]
+    with tf.device("/CPU:0"):
+        expected = tf.nn.conv3d(x, w, strides=strides, padding=cfg.padding)
+        actual = tf_ucudnn.conv3d(x, w, strides=strides, padding=cfg.padding, plan=case.plan())
+    scale = tf.nn.conv3d(tf.abs(x), tf.abs(w), strides=strides, padding=cfg.padding)
+    assert_close(actual, expected, 2 * scale, tf.float32, str(cfg))
+
+
+# ------------------------------------------------------------------------------- dtypes
+
+_DTYPE_CASES = [CONV2D_CASES[0], CONV2D_CASES[4], CONV2D_CASES[11], CONV3D_CASES[1],
+                CONV3D_CASES[4]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("case", _DTYPE_CASES, ids=_ids(_DTYPE_CASES))
+def test_dtypes_forward_and_gradients(device, case, dtype, rng):
+    check_conv(device, case.cfg, dtype, case.plan(), rng)
+
+
+# ---------------------------------------------------------------------------- plans that split
+
+_SPLIT_CFG_2D = Conv((7, 3, 6, 5), (3, 3, 3, 4), (1, 2), "SAME", "NCHW")
+_SPLITS = [(7,), (1, 4, 2), (3, 4), (1,) * 7, (2, 2, 2, 1), (6, 1), (1, 6)]
+
+
+@pytest.mark.parametrize("sizes", _SPLITS, ids=lambda s: "+".join(map(str, s)))
+def test_every_split_of_the_batch_gives_the_same_result(device, sizes, rng):
+    cfg = _SPLIT_CFG_2D
+    plan = LayerPlan(kernel_plan(sizes, "fwd", cfg=cfg),
+                     kernel_plan(sizes[::-1], "bwd_data", cfg=cfg),
+                     kernel_plan(sizes, "bwd_filter", cfg=cfg))
+    check_conv(device, cfg, tf.float64, plan, rng)
+
+
+def test_plan_micro_batches_are_the_batch_not_copies(rng):
+    """Each micro-batch covers its own samples: a plan 1+1+1 over three different samples gives
+    three different results, each equal to the convolution of its sample alone."""
+    cfg = Conv((3, 5, 5, 2), (3, 3, 2, 2), (1, 1), "SAME")
+    x = random(cfg.input_shape, tf.float64, rng)
+    w = random(cfg.filter_shape, tf.float64, rng)
+    with tf.device("/CPU:0"):
+        y = tf_ucudnn.conv2d(x, w, 1, "SAME", plan=KernelPlan.of((1, 0), (1, 1), (1, 0)))
+        for n in range(3):
+            alone = tf_ucudnn.conv2d(x[n:n + 1], w, 1, "SAME")
+            np.testing.assert_allclose(y[n:n + 1], alone, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(y[0], y[1])
+
+
+@pytest.mark.parametrize("algorithms", [["auto", "auto"], ["algo=0", "algo=1,math=default"],
+                                        ["algo=1,math=fma", "auto"]],
+                         ids=["auto", "explicit", "mixed"])
+def test_algorithms_with_math_modes(device, algorithms, rng):
+    cfg = Conv((5, 6, 6, 2), (3, 3, 2, 3), (1, 1), "SAME")
+    plan = KernelPlan(tuple(MicroBatch(size, Algorithm.parse(text))
+                            for size, text in zip((2, 3), algorithms)))
+    check_conv(device, cfg, tf.float32, plan, rng, grads=False)
+
+
+def test_strides_and_dilations_forms_are_equivalent(rng):
+    x = random((2, 9, 9, 2), tf.float64, rng)
+    w = random((3, 3, 2, 2), tf.float64, rng)
+    with tf.device("/CPU:0"):
+        results = [tf_ucudnn.conv2d(x, w, strides=s, padding="SAME", dilations=d)
+                   for s, d in [(2, 2), ([2], [2]), ([2, 2], [2, 2]), ([1, 2, 2, 1], [1, 2, 2, 1])]]
+        x_nchw = tf.transpose(x, [0, 3, 1, 2])
+        nchw = tf_ucudnn.conv2d(x_nchw, w, strides=[1, 1, 2, 2], padding="SAME",
+                                data_format="NCHW", dilations=[1, 1, 2, 2])
+    for result in results[1:]:
+        np.testing.assert_array_equal(result, results[0])
+    np.testing.assert_allclose(tf.transpose(nchw, [0, 2, 3, 1]), results[0], rtol=1e-12,
+                               atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ backprop ops
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
+def test_backprop_input_matches_raw_op(device, case, rng):
+    """Against tf.raw_ops.Conv2DBackpropInput / Conv3DBackpropInputV2 (in float64)."""
+    cfg = case.cfg
+    w = random(cfg.filter_shape, tf.float64, rng)
+    dy = random(cfg.output_shape, tf.float64, rng)
+    plan = case.kernel_plan("bwd_data")
+    with tf.device(device):
+        dx = _backprop_input(cfg.nd)(tf.constant(cfg.input_shape, tf.int32), w, dy,
+                                     **cfg.kwargs(), plan=plan)
+    assert_on_device(dx, device)
+    expected = backprop_input(cfg.input_shape, w, dy, cfg)
+    scale = backprop_input(cfg.input_shape, tf.abs(w), tf.abs(dy), cfg)
+    assert_close(dx, expected, scale, tf.float64, f"{cfg} backprop input")
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
+def test_backprop_filter_matches_raw_op(device, case, rng):
+    """Against tf.raw_ops.Conv2DBackpropFilter / Conv3DBackpropFilterV2 (in float64)."""
+    cfg = case.cfg
+    x = random(cfg.input_shape, tf.float64, rng)
+    dy = random(cfg.output_shape, tf.float64, rng)
+    plan = case.kernel_plan("bwd_filter")
+    with tf.device(device):
+        dw = _backprop_filter(cfg.nd)(x, tf.constant(cfg.filter_shape, tf.int32), dy,
+                                      **cfg.kwargs(), plan=plan)
+    assert_on_device(dw, device)
+    expected = backprop_filter(x, cfg.filter_shape, dy, cfg)
+    scale = backprop_filter(tf.abs(x), cfg.filter_shape, tf.abs(dy), cfg)
+    assert_close(dw, expected, scale, tf.float64, f"{cfg} backprop filter")
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=lambda d: d.name)
+def test_backprop_ops_equal_tf_raw_ops_in_same_dtype(dtype, rng):
+    """NHWC, dilation 1: TensorFlow's own CPU backprop ops run as they are, in the op's dtype."""
+    cfg = Conv((5, 7, 6, 3), (3, 2, 3, 4), (2, 1), "SAME")
+    x = random(cfg.input_shape, dtype, rng)
+    w = random(cfg.filter_shape, dtype, rng)
+    dy = random(cfg.output_shape, dtype, rng)
+    attrs = {"strides": [1, 2, 1, 1], "padding": "SAME"}
+    with tf.device("/CPU:0"):
+        dx = tf_ucudnn.conv2d_backprop_input(cfg.input_shape, w, dy, plan=KernelPlan.of(
+            (2, 0), (3, 1)), **attrs)
+        dw = tf_ucudnn.conv2d_backprop_filter(x, cfg.filter_shape, dy, plan=KernelPlan.of(
+            (1, 0), (4, 3)), **attrs)
+        expected_dx = tf.raw_ops.Conv2DBackpropInput(input_sizes=cfg.input_shape, filter=w,
+                                                     out_backprop=dy, **attrs)
+        expected_dw = tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=cfg.filter_shape,
+                                                      out_backprop=dy, **attrs)
+    scale_dx = backprop_input(cfg.input_shape, tf.abs(w), tf.abs(dy), cfg)
+    scale_dw = backprop_filter(tf.abs(x), cfg.filter_shape, tf.abs(dy), cfg)
+    # Two results that each round once: twice the tolerance of one.
+    assert_close(dx, expected_dx, scale_dx, dtype, "backprop input", roundings=2)
+    assert_close(dw, expected_dw, scale_dw, dtype, "backprop filter", roundings=2)
+
+
+def test_conv3d_backprop_input_takes_int64_sizes(device, rng):
+    cfg = CONV3D_CASES[0].cfg
+    w = random(cfg.filter_shape, tf.float64, rng)
+    dy = random(cfg.output_shape, tf.float64, rng)
+    with tf.device(device):
+        dx32 = tf_ucudnn.conv3d_backprop_input(tf.constant(cfg.input_shape, tf.int32), w, dy,
+                                               **cfg.kwargs(), plan=KernelPlan.of((2, 0), (3, 1)))
+        dx64 = tf_ucudnn.conv3d_backprop_input(tf.constant(cfg.input_shape, tf.int64), w, dy,
+                                               **cfg.kwargs(), plan=KernelPlan.of((2, 0), (3, 1)))
+    assert_on_device(dx64, device)
+    np.testing.assert_array_equal(dx32, dx64)
+    assert_close(dx64, backprop_input(cfg.input_shape, w, dy, cfg),
+                 backprop_input(cfg.input_shape, tf.abs(w), tf.abs(dy), cfg), tf.float64)
+
+
+# ------------------------------------------------------------------- shapes, empty, and graphs
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
+def test_static_shapes_in_graph(case):
+    """The shape functions give TensorFlow's output shape, and what they cannot know stays
+    unknown."""
+    cfg = case.cfg
+    op = _forward(cfg.nd)
+    x_spec = tf.TensorSpec(cfg.input_shape, tf.float32)
+    w_spec = tf.TensorSpec(cfg.filter_shape, tf.float32)
+    traced = tf.function(lambda x, w: op(x, w, **cfg.kwargs(), plan=case.plan()))
+    out = traced.get_concrete_function(x_spec, w_spec).outputs[0]
+    assert tuple(out.shape) == cfg.output_shape
+
+    unknown = tf.TensorSpec([None] * len(cfg.input_shape), tf.float32)
+    out = tf.function(lambda x, w: op(x, w, **cfg.kwargs())).get_concrete_function(
+        unknown, w_spec).outputs[0]
+    assert out.shape.rank == len(cfg.input_shape) and out.shape.num_elements() is None
+    channel_axis = -1 if cfg.channels_last else 1
+    assert out.shape[channel_axis] == cfg.filter_shape[-1]
+
+    dy_spec = tf.TensorSpec(cfg.output_shape, tf.float32)
+    dx = tf.function(lambda w, dy: _backprop_input(cfg.nd)(
+        tf.constant(cfg.input_shape), w, dy, **cfg.kwargs())).get_concrete_function(
+        w_spec, dy_spec).outputs[0]
+    assert tuple(dx.shape) == cfg.input_shape
+    dw = tf.function(lambda x, dy: _backprop_filter(cfg.nd)(
+        x, tf.constant(cfg.filter_shape), dy, **cfg.kwargs())).get_concrete_function(
+        x_spec, dy_spec).outputs[0]
+    assert tuple(dw.shape) == cfg.filter_shape
+
+
+@pytest.mark.parametrize("case", [CONV2D_CASES[0], CONV2D_CASES[2], CONV3D_CASES[2]],
+                         ids=lambda c: c.id)
+def test_tf_function_equals_eager(device, case, rng):
+    cfg = case.cfg
+    op = _forward(cfg.nd)
+    x = random(cfg.input_shape, tf.float32, rng)
+    w = random(cfg.filter_shape, tf.float32, rng)
+    with tf.device(device):
+        eager = op(x, w, **cfg.kwargs(), plan=case.plan())
+        graph = tf.function(lambda x, w: op(x, w, **cfg.kwargs(), plan=case.plan()))(x, w)
+    np.testing.assert_array_equal(eager, graph)
+    assert_on_device(graph, device)
+
+
+@pytest.mark.parametrize("cfg", [
+    Conv((3, 2, 2, 2), (3, 3, 2, 4), (2, 2), "VALID"),
+    Conv((3, 2, 2, 2), (3, 3, 2, 4), (2, 2), [[0, 0]] * 4),
+    Conv((3, 2, 5, 2), (2, 2, 2, 4), (2, 1), "VALID", dilations=(2, 1)),
+    Conv((2, 2, 3, 3, 1), (3, 3, 2, 1, 2), (3, 1, 1), "VALID", "NDHWC"),
+], ids=["valid-s2", "explicit-s2", "valid-s2-d2", "3d-valid-s3"])
+def test_empty_output(device, cfg, rng):
+    """A window that never fits gives an empty output, as in TensorFlow (its output size
+    formula truncates), and zero gradients."""
+    x = random(cfg.input_shape, tf.float64, rng)
+    w = random(cfg.filter_shape, tf.float64, rng)
+    expected_shape = cfg.output_shape  # from TensorFlow's own op
+    assert 0 in expected_shape
+    plan = LayerPlan(KernelPlan.of((1, 0), (cfg.batch - 1, 1)), KernelPlan.of((cfg.batch, 0)),
+                     KernelPlan.of((cfg.batch - 1, 0), (1, 1)))
+    with tf.device(device):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = _forward(cfg.nd)(x, w, **cfg.kwargs(), plan=plan)
+        dx, dw = tape.gradient(y, [x, w], output_gradients=tf.zeros_like(y))
+        dw_direct = _backprop_filter(cfg.nd)(x, cfg.filter_shape, tf.zeros(y.shape, tf.float64),
+                                             **cfg.kwargs(), plan=plan.backprop_filter)
+    assert tuple(y.shape) == expected_shape
+    for grad in (dx, dw, dw_direct):
+        np.testing.assert_array_equal(grad, np.zeros(grad.shape))
+    assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_empty_batch(device, rng):
+    w = random((3, 3, 2, 4), tf.float64, rng)
+    with tf.device(device):
+        y = tf_ucudnn.conv2d(tf.zeros([0, 5, 5, 2], tf.float64), w, 1, "SAME")
+        dw = tf_ucudnn.conv2d_backprop_filter(tf.zeros([0, 5, 5, 2], tf.float64), [3, 3, 2, 4],
+                                              tf.zeros([0, 5, 5, 4], tf.float64), 1, "SAME")
+    assert y.shape == (0, 5, 5, 4)
+    np.testing.assert_array_equal(dw, np.zeros([3, 3, 2, 4]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sum to 2 but the batch has 0"):
+        tf_ucudnn.conv2d(tf.zeros([0, 5, 5, 2], tf.float64), w, 1, "SAME",
+                         plan=KernelPlan.of((2, 0)))
+
+
+def test_negative_output_size_is_an_error():
+    x = tf.zeros([2, 1, 5, 1])
+    w = tf.zeros([3, 1, 1, 1])
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        tf_ucudnn.conv2d(x, w, 1, "VALID", dilations=2, plan=KernelPlan.of((2, 1)))
+    message = info.value.message
+    assert "UcudnnConv2D" in message and "[2@algo=1]" in message
+    assert "output size would be negative" in message
+    with pytest.raises(ValueError, match="output size would be negative"):
+        tf.function(lambda: tf_ucudnn.conv2d(x, w, 1, "VALID", dilations=2))()
+
+
+# --------------------------------------------------------------------------------- bad plans
+
+_X = np.random.default_rng(0).standard_normal([5, 6, 6, 3]).astype(np.float32)
+_W = np.random.default_rng(1).standard_normal([3, 3, 3, 4]).astype(np.float32)
+_ATTRS = {"strides": [1, 1, 1, 1], "padding": "SAME"}
+
+
+def _raw_conv(**plan_attrs):
+    return _ops.ucudnn_conv2d(_X, _W, **_ATTRS, **plan_attrs)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_plan_not_summing_to_batch_fails_at_trace_time(nd):
+    x = tf.zeros([5] + [4] * nd + [2])
+    w = tf.zeros([1] * nd + [2, 3])
+    op = _forward(nd)
+    name = f"UcudnnConv{nd}D"
+    traced = tf.function(lambda x: op(x, w, 1, "SAME", plan=KernelPlan.of((2, 0), (2, 1))))
+    with pytest.raises(ValueError) as info:
+        traced.get_concrete_function(tf.TensorSpec(x.shape, x.dtype))
+    message = str(info.value)
+    assert name in message
+    assert "micro_batches/algorithms [2@algo=0, 2@algo=1] of the fwd kernel" in message
+    assert "sum to 4 but the batch has 5 samples" in message
+
+
+@pytest.mark.parametrize("kernel, prefix", [("bwd_data", "backprop_input_"),
+                                            ("bwd_filter", "backprop_filter_")])
+def test_gradient_plan_not_summing_to_batch_fails_at_trace_time(kernel, prefix):
+    bad = KernelPlan.of((3, 0), (3, 1))
+    plan = LayerPlan(backprop_input=bad) if kernel == "bwd_data" else \
+        LayerPlan(backprop_filter=bad)
+    traced = tf.function(lambda x: tf_ucudnn.conv2d(x, _W, 1, "SAME", plan=plan))
+    with pytest.raises(ValueError) as info:
+        traced.get_concrete_function(tf.TensorSpec(_X.shape, tf.float32))
+    message = str(info.value)
+    assert "UcudnnConv2D" in message
+    assert f"{prefix}micro_batches/{prefix}algorithms [3@algo=0, 3@algo=1] of the {kernel} kernel" \
+        in message
+    assert "sum to 6 but the batch has 5 samples" in message
+
+
+@pytest.mark.parametrize("op_name", ["UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter"])
+def test_backprop_plan_not_summing_to_batch_fails_at_trace_time(op_name):
+    dy = tf.zeros([5, 6, 6, 4])
+    plan = KernelPlan.of((4, 0))
+    if op_name == "UcudnnConv2DBackpropInput":
+        fn = lambda dy: tf_ucudnn.conv2d_backprop_input([5, 6, 6, 3], _W, dy, 1, "SAME", plan=plan)
+    else:
+        fn = lambda dy: tf_ucudnn.conv2d_backprop_filter(_X, [3, 3, 3, 4], dy, 1, "SAME",
+                                                         plan=plan)
+    with pytest.raises(ValueError) as info:
+        tf.function(fn).get_concrete_function(tf.TensorSpec(dy.shape, dy.dtype))
+    message = str(info.value)
+    assert op_name in message and "[4@algo=0]" in message
+    assert "sum to 4 but the batch has 5 samples" in message
+
+
+@pytest.mark.parametrize("mode", ["eager", "unknown-batch"])
+def test_plan_not_summing_to_batch_fails_at_run_time(device, mode):
+    plan = KernelPlan.of((2, 0), (2, 1))
+    fn = lambda x: tf_ucudnn.conv2d(x, _W, 1, "SAME", plan=plan, name="my_conv")
+    if mode == "unknown-batch":
+        fn = tf.function(fn, input_signature=[tf.TensorSpec([None, 6, 6, 3], tf.float32)])
+        fn.get_concrete_function()  # traces fine: the batch is not known yet
+    with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fn(tf.constant(_X))
+    message = info.value.message
+    # Eager ops are named after their type; graph nodes keep the name given.
+    assert ("UcudnnConv2D 'my_conv'" if mode == "unknown-batch" else "UcudnnConv2D '") in message
+    assert "(fwd kernel, plan [2@algo=0, 2@algo=1])" in message
+    assert "the micro-batch sizes sum to 4 but the batch has 5 samples" in message
+    # The same function runs where the batch matches.
+    with tf.device(device):
+        assert fn(tf.constant(_X[:4])).shape == (4, 6, 6, 4)
+
+
+def test_gradient_plan_not_summing_to_batch_fails_when_the_gradient_runs(device):
+    plan = LayerPlan(backprop_filter=KernelPlan.of((1, 0), (3, 3)))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 3], tf.float32)])
+    def grads(x):
+        w = tf.constant(_W)
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf_ucudnn.conv2d(x, w, 1, "SAME", plan=plan)
+        return tape.gradient(y, w)
+
+    with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        grads(tf.constant(_X))
+    message = info.value.message
+    assert "UcudnnConv2DBackpropFilter" in message and "bwd_filter kernel" in message
+    assert "[1@algo=0, 3@algo=3]" in message and "sum to 4 but the batch has 5" in message
+    with tf.device(device):
+        assert grads(tf.constant(_X[:4])).shape == (3, 3, 3, 4)
+
+
+# Bad plan attributes: (micro_batches, algorithms, the reason the message must give).
+_BAD_PLANS = {
+    "negative-algorithm": ([5], ["algo=-1"], "algorithm -1 is not a cudnnConvolutionFwdAlgo_t"),
+    "unknown-algorithm": ([2, 3], ["algo=0", "algo=8"],
+                          "micro-batch 1: algorithm 8 is not a cudnnConvolutionFwdAlgo_t (0..7)"),
+    "missing-equals": ([5], ["algo1"], "cannot parse algorithm 'algo1': missing '='"),
+    "unknown-key": ([5], ["algo=1,engine=2"], "unknown key 'engine'"),
+    "unknown-math": ([5], ["algo=1,math=tf32"], "unknown math mode 'tf32'"),
+    "non-integer": ([5], ["algo=one"], "algo is not an integer"),
+    "no-algo": ([5], ["math=fma"], "no 'algo'"),
+    "twice": ([5], ["algo=1,algo=1"], "'algo' given twice"),
+    "more-sizes": ([2, 3], ["auto"], "plan has 2 micro-batch sizes but 1 algorithms"),
+    "more-algorithms": ([5], ["auto", "auto"], "plan has 1 micro-batch sizes but 2 algorithms"),
+    "zero-size": ([5, 0], ["auto", "auto"], "micro-batch 1 has size 0; sizes must be positive"),
+    "negative-size": ([6, -1], ["auto", "auto"],
+                      "micro-batch 1 has size -1; sizes must be positive"),
+}
+
+
+def _plan_text(sizes, algorithms, prefix=""):
+    return (f"plan {prefix}micro_batches=[{', '.join(map(str, sizes))}] {prefix}algorithms=['"
+            + "', '".join(algorithms) + "'] is invalid")
+
+
+@pytest.mark.parametrize("name", list(_BAD_PLANS))
+def test_bad_plan_eager(device, name):
+    sizes, algorithms, reason = _BAD_PLANS[name]
+    with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _raw_conv(micro_batches=sizes, algorithms=algorithms, name="bad")
+    message = info.value.message
+    assert "UcudnnConv2D '" in message and "' (fwd kernel)" in message
+    assert _plan_text(sizes, algorithms) in message
+    assert reason in message
+
+
+@pytest.mark.parametrize("name", list(_BAD_PLANS))
+def test_bad_plan_at_trace_time(name):
+    sizes, algorithms, reason = _BAD_PLANS[name]
+    with pytest.raises(ValueError) as info:
+        tf.function(lambda: _raw_conv(micro_batches=sizes, algorithms=algorithms))()
+    message = str(info.value)
+    assert "UcudnnConv2D" in message
+    assert _plan_text(sizes, algorithms) in message
+    assert reason in message
+
+
+@pytest.mark.parametrize("prefix, enum", [("backprop_input_", "cudnnConvolutionBwdDataAlgo_t"),
+                                          ("backprop_filter_", "cudnnConvolutionBwdFilterAlgo_t")])
+def test_bad_gradient_plan_at_trace_time(prefix, enum):
+    """A forward op's gradient plans are checked, against their own kernel's algorithms."""
+    algorithms = ["algo=7"]  # a forward algorithm, but no backprop one
+    with pytest.raises(ValueError) as info:
+        tf.function(lambda: _raw_conv(**{prefix + "micro_batches": [5],
+                                         prefix + "algorithms": algorithms}))()
+    message = str(info.value)
+    assert "UcudnnConv2D" in message
+    assert _plan_text([5], algorithms, prefix) in message
+    assert f"algorithm 7 is not a {enum}" in message
+
+
+@pytest.mark.parametrize("op_name", ["UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter",
+                                     "UcudnnConv3DBackpropInput", "UcudnnConv3DBackpropFilter"])
+def test_bad_plan_on_backprop_ops(device, op_name):
+    nd = 3 if "3D" in op_name else 2
+    x = tf.zeros([2] + [3] * nd + [1])
+    w = tf.zeros([1] * nd + [1, 1])
+    attrs = {"strides": [1] * (nd + 2), "padding": "VALID", "micro_batches": [1, 1],
+             "algorithms": ["auto", "algo=6"]}
+    ops = {2: (_ops.ucudnn_conv2d_backprop_input, _ops.ucudnn_conv2d_backprop_filter),
+           3: (_ops.ucudnn_conv3d_backprop_input, _ops.ucudnn_conv3d_backprop_filter)}[nd]
+    if "Input" in op_name:
+        run = lambda: ops[0](tf.shape(x), w, x, **attrs)
+        reason = "algorithm 6 is not a cudnnConvolutionBwdDataAlgo_t (0..5)"
+    else:
+        attrs["algorithms"] = ["auto", "algo=7"]
+        run = lambda: ops[1](x, tf.shape(w), x, **attrs)
+        reason = "algorithm 7 is not a cudnnConvolutionBwdFilterAlgo_t (0..6)"
+    with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        run()
+    kernel = "bwd_data" if "Input" in op_name else "bwd_filter"
+    assert f"{op_name} '" in info.value.message and f"({kernel} kernel)" in info.value.message
+    assert _plan_text([1, 1], attrs["algorithms"]) in info.value.message
+    assert f"micro-batch 1: {reason}" in info.value.message
+
+
+def test_python_algorithm_rejects_negative_before_the_op():
+    with tf.device("/CPU:0"), pytest.raises(ValueError, match="non-negative"):
+        tf_ucudnn.conv2d(_X, _W, 1, "SAME", plan=KernelPlan.of((5, -1)))
+    with pytest.raises(ValueError, match="non-negative"):
+        Algorithm(-1)
+
+
+def test_cpu_accepts_every_in_range_algorithm(rng):
+    """The CPU kernels ignore the algorithm: every legal number gives the same result."""
+    x = random((4, 5, 5, 2), tf.float64, rng)
+    w = random((3, 3, 2, 3), tf.float64, rng)
+    with tf.device("/CPU:0"):
+        base = tf_ucudnn.conv2d(x, w, 1, "SAME")
+        for algo in range(8):
+            y = tf_ucudnn.conv2d(x, w, 1, "SAME", plan=KernelPlan.of((1, algo), (3, 7 - algo)))
+            np.testing.assert_allclose(y, base, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- bad conv arguments
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"padding": "FULL"}, ValueError, "padding must be 'SAME', 'VALID' or explicit pairs"),
+    ({"padding": [[0, 0], [1, 1], [1, 1]]}, ValueError, "explicit padding needs 4"),
+    ({"padding": [[0, 0], [1, 1], [1], [0, 0]]}, ValueError, "explicit padding needs 4"),
+    ({"strides": [1, 2, 2]}, ValueError, "strides should have 1, 2 or 4 entries"),
+    ({"dilations": [1, 2, 2, 2, 1]}, ValueError, "dilations should have 1, 2 or 4 entries"),
+    ({"plan": [(5, 1)]}, TypeError, "plan must be a LayerPlan, a KernelPlan or None"),
+], ids=["padding-name", "padding-pairs", "padding-pair-length", "strides", "dilations", "plan"])
+def test_wrapper_rejects(kwargs, error, text):
+    args = {"strides": 1, "padding": "SAME", **kwargs}
+    with pytest.raises(error, match=text.replace("(", r"\(").replace("[", r"\[")):
+        tf_ucudnn.conv2d(_X, _W, **args)
+
+
+def test_backprop_wrappers_take_only_kernel_plans():
+    with pytest.raises(TypeError, match="plan must be a KernelPlan or None"):
+        tf_ucudnn.conv2d_backprop_input([5, 6, 6, 3], _W, tf.zeros([5, 6, 6, 4]), 1, "SAME",
+                                        plan=LayerPlan())
+
+
+@pytest.mark.parametrize("attrs, text", [
+    ({"strides": [2, 1, 1, 1]}, "strides in the batch and channel dimensions must be 1"),
+    ({"dilations": [1, 1, 1, 2]}, "dilations in the batch and channel dimensions must be 1"),
+    ({"strides": [1, 0, 1, 1]}, "strides and dilations must be >= 1"),
+    ({"padding": "EXPLICIT", "explicit_paddings": [0, 0, 1, 1]},
+     "explicit_paddings must have 8 entries"),
+    ({"padding": "EXPLICIT", "explicit_paddings": [0, 0, -1, 1, 0, 0, 0, 0]},
+     "explicit_paddings must be non-negative"),
+    ({"padding": "EXPLICIT", "explicit_paddings": [0, 0, 1, 1, 1, 1, 1, 0]},
+     "explicit_paddings in the batch and channel dimensions must be 0"),
+    ({"explicit_paddings": [0, 0, 1, 1, 1, 1, 0, 0]},
+     "explicit_paddings must be empty unless padding is EXPLICIT"),
+], ids=["stride-batch", "dilation-channel", "stride-zero", "explicit-count", "explicit-negative",
+        "explicit-channel", "explicit-not-explicit"])
+def test_bad_conv_attributes(attrs, text):
+    full = {"strides": [1, 1, 1, 1], "padding": "SAME", **attrs}
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _ops.ucudnn_conv2d(_X, _W, **full, name="attrs")
+    assert "UcudnnConv2D '" in info.value.message and "(fwd kernel, plan [] " in info.value.message
+    assert text in info.value.message
+    with pytest.raises(ValueError, match=text.replace("[", r"\[")):
+        tf.function(lambda: _ops.ucudnn_conv2d(_X, _W, **full))()
+
+
+def test_channel_mismatch():
+    with pytest.raises(ValueError):  # the shape function, at trace time
+        tf.function(lambda: tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME"))()
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME", plan=KernelPlan.of((5, 1)))
+    message = info.value.message
+    assert "UcudnnConv2D" in message and "[5@algo=1]" in message
+    assert "input depth 3 must equal the filter's input depth 2" in message
+
+
+@pytest.mark.parametrize("which", ["input", "filter"])
+def test_backprop_out_backprop_shape_mismatch(which):
+    dy = tf.zeros([5, 5, 6, 4])  # the output is [5, 6, 6, 4]
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        if which == "input":
+            tf_ucudnn.conv2d_backprop_input([5, 6, 6, 3], _W, dy, 1, "SAME",
+                                            plan=KernelPlan.of((5, 0)))
+        else:
+            tf_ucudnn.conv2d_backprop_filter(_X, [3, 3, 3, 4], dy, 1, "SAME",
+                                             plan=KernelPlan.of((5, 0)))
+    message = info.value.message
+    assert f"UcudnnConv2DBackprop{which.capitalize()}" in message and "[5@algo=0]" in message
+    assert "out_backprop has shape [5, 5, 6, 4] but the convolution's output has shape " \
+           "[5, 6, 6, 4]" in message
+
+
+def test_backprop_input_sizes_must_be_a_vector():
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _ops.ucudnn_conv2d_backprop_input(tf.constant([[5, 6, 6, 3]]), _W, tf.zeros([5, 6, 6, 4]),
+                                          strides=[1, 1, 1, 1], padding="SAME")
+    assert "UcudnnConv2DBackpropInput" in info.value.message
+    assert "input_sizes must be a vector" in info.value.message
+
+
+# ----------------------------------------------------------------------------------- GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["fft-stride2", "fft-dilation2"])
+def test_gpu_unsupported_algorithm_for_the_shape(gpu_device, what, rng):
+    """Forward algorithm 4 (FFT) supports neither strides nor dilations: cuDNN rejects it."""
+    x = random((4, 8, 8, 2), tf.float32, rng)
+    w = random((3, 3, 2, 2), tf.float32, rng)
+    kwargs = {"strides": 2} if what == "fft-stride2" else {"strides": 1, "dilations": 2}
+    with tf.device(gpu_device), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        tf_ucudnn.conv2d(x, w, padding="SAME", plan=KernelPlan.of((1, 0), (3, 4)), **kwargs)
+    message = info.value.message
+    assert "UcudnnConv2D '" in message and "(fwd kernel, plan [1@algo=0, 3@algo=4])" in message
+    assert "micro-batch 1 (samples 1..3)" in message
+    assert "does not support algorithm 4" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("case", [CONV2D_CASES[2], CONV2D_CASES[5], CONV3D_CASES[0]],
+                         ids=lambda c: c.id)
+def test_gpu_low_precision_with_tensor_ops(gpu_device, case, dtype, rng):
+    """float16 / bfloat16 on the GPU, with tensor-op math requested explicitly, against the
+    float64 reference."""
+    sizes = case.fwd or (case.cfg.batch,)
+
+    def tensor_op(kernel):
+        choices = [a if a == "auto" else f"algo={a},math=tensor_op"
+                   for a in safe_algorithms(kernel, case.cfg)]
+        return kernel_plan(sizes, kernel, [*choices, "auto"])
+
+    plan = LayerPlan(tensor_op("fwd"), tensor_op("bwd_data"), tensor_op("bwd_filter"))
+    check_conv(gpu_device, case.cfg, dtype, plan, rng)
+
+
+@pytest.mark.gpu
+def test_gpu_float64_runs_on_the_gpu(gpu_device, rng):
+    cfg = CONV2D_CASES[0].cfg
+    check_conv(gpu_device, cfg, tf.float64, CONV2D_CASES[0].plan(), rng)

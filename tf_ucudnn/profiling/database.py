@@ -1,0 +1,218 @@
+"""A SQLite database of cuDNN measurements, so each layer is measured once per machine.
+
+Measurements are keyed by device name, cuDNN version, dtype, layout, geometry, kernel, micro-batch
+size, algorithm and math type; measuring again replaces the old row. Several processes (for instance
+one per GPU, profiling different layers) may write to one file at once: the database runs in WAL
+mode, waits for locks instead of failing at once, and writes each batch of records in one
+transaction.
+
+A file that is not SQLite, is damaged, or is SQLite but not ours (no tf_ucudnn application id, or
+another schema version) raises `ProfileDatabaseError` naming the file and the reason; a foreign file
+is never written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from typing import Iterable, Iterator, Optional
+
+from tf_ucudnn.profiling.records import (
+    AlgorithmTiming,
+    ConvGeometry,
+    PathLike,
+    ProfileRecord,
+    fastest_first,
+    read_jsonl,
+    write_jsonl,
+)
+
+# Stored in the SQLite header (PRAGMA application_id / user_version) to recognize our files.
+APPLICATION_ID = 0x7563444E  # "ucDN"
+SCHEMA_VERSION = 1
+
+_KEY_COLUMNS = ("device", "cudnn_version", "dtype", "layout", "geometry", "kernel", "batch_size",
+                "algo", "math")
+_COLUMNS = _KEY_COLUMNS + ("time_ms", "workspace_bytes")
+
+_SCHEMA = f"""
+CREATE TABLE measurements (
+    device TEXT NOT NULL,
+    cudnn_version INTEGER NOT NULL,
+    dtype TEXT NOT NULL,
+    layout TEXT NOT NULL,
+    geometry TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    batch_size INTEGER NOT NULL,
+    algo INTEGER NOT NULL,
+    math TEXT NOT NULL,
+    time_ms REAL NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY ({", ".join(_KEY_COLUMNS)})
+) WITHOUT ROWID
+"""
+
+
+class ProfileDatabaseError(Exception):
+    """The profile database file cannot be used; says which file and why."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"profile database {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class ProfileDatabase:
+    """Measurements on disk. Use as a context manager, or call `close()`."""
+
+    def __init__(self, path: PathLike, busy_timeout_s: float = 60.0):
+        self.path = os.fspath(path)
+        self._busy_timeout_s = busy_timeout_s
+        with self._errors("cannot open"):
+            # timeout: wait that long for other processes' locks. isolation_level=None: no
+            # implicit transactions; we open them explicitly.
+            self._connection = sqlite3.connect(self.path, timeout=busy_timeout_s,
+                                               isolation_level=None)
+        try:
+            with self._errors("cannot open"):
+                self._open_or_create()
+        except ProfileDatabaseError:
+            self._connection.close()
+            raise
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> "ProfileDatabase":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        with self._errors("cannot count measurements"):
+            return self._connection.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+
+    def insert(self, records: Iterable[ProfileRecord]) -> int:
+        """Adds records in one transaction, replacing earlier measurements of the same key."""
+        rows = [_row(record) for record in records]
+        placeholders = ", ".join("?" * len(_COLUMNS))
+        with self._errors("cannot insert measurements"), self._transaction():
+            self._connection.executemany(
+                f"INSERT OR REPLACE INTO measurements ({', '.join(_COLUMNS)}) "
+                f"VALUES ({placeholders})", rows)
+        return len(rows)
+
+    def timings(self, device: str, cudnn_version: int, geometry: ConvGeometry,
+                kernel: str) -> dict[int, tuple[AlgorithmTiming, ...]]:
+        """One kernel's timing table: micro-batch size -> algorithms measured, fastest first."""
+        with self._errors("cannot read measurements"):
+            rows = self._connection.execute(
+                "SELECT batch_size, algo, math, time_ms, workspace_bytes FROM measurements "
+                "WHERE device = ? AND cudnn_version = ? AND dtype = ? AND layout = ? "
+                "AND geometry = ? AND kernel = ? ORDER BY batch_size",
+                (device, cudnn_version, geometry.dtype, geometry.layout, geometry.shape_key(),
+                 kernel)).fetchall()
+        by_size: dict[int, list[AlgorithmTiming]] = {}
+        for batch_size, algo, math, time_ms, workspace_bytes in rows:
+            by_size.setdefault(batch_size, []).append(
+                AlgorithmTiming(algo, math, time_ms, workspace_bytes))
+        return {size: fastest_first(timings) for size, timings in by_size.items()}
+
+    def records(self) -> Iterator[ProfileRecord]:
+        """Every measurement, in key order."""
+        with self._errors("cannot read measurements"):
+            rows = self._connection.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM measurements "
+                f"ORDER BY {', '.join(_KEY_COLUMNS)}").fetchall()
+        for (device, cudnn_version, dtype, layout, geometry, kernel, batch_size, algo, math,
+             time_ms, workspace_bytes) in rows:
+            yield ProfileRecord(device, cudnn_version,
+                                ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
+                                batch_size, algo, math, time_ms, workspace_bytes)
+
+    def import_jsonl(self, path: PathLike, device: Optional[str] = None,
+                     cudnn_version: Optional[int] = None) -> int:
+        """Adds the records of a JSON-lines file (either layout; see `records.read_jsonl`)."""
+        return self.insert(read_jsonl(path, device, cudnn_version))
+
+    def export_jsonl(self, path: PathLike) -> int:
+        """Writes every measurement as JSON lines (without layer labels: they are not stored)."""
+        return write_jsonl(path, self.records())
+
+    def _open_or_create(self) -> None:
+        # Look before writing anything, so that a foreign database is left untouched.
+        if not self._check_marker():
+            with self._transaction():
+                # Another process may have created the schema since we looked.
+                if not self._check_marker():
+                    self._connection.execute(_SCHEMA)
+                    self._connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                    self._connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self._use_wal()
+
+    def _use_wal(self) -> None:
+        """WAL lets readers and a writer work at once; the mode persists in the file.
+
+        Switching a new file to WAL needs an exclusive lock, and SQLite reports a busy file at
+        once there instead of waiting; so wait here, while other processes create or read it.
+        """
+        deadline = time.monotonic() + self._busy_timeout_s
+        while True:
+            try:
+                self._connection.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _check_marker(self) -> bool:
+        """True for our database, False for an empty one; raises for anything else."""
+        # One statement, so one snapshot: another process may be creating the schema right now.
+        application_id, version, schema_objects = self._connection.execute(
+            "SELECT (SELECT application_id FROM pragma_application_id), "
+            "(SELECT user_version FROM pragma_user_version), "
+            "(SELECT COUNT(*) FROM sqlite_master)").fetchone()
+        if application_id == 0 and version == 0 and schema_objects == 0:
+            return False
+        if application_id != APPLICATION_ID:
+            raise ProfileDatabaseError(
+                self.path, f"a SQLite database of something else (application id "
+                           f"{application_id:#x}, not tf_ucudnn's {APPLICATION_ID:#x})")
+        if version != SCHEMA_VERSION:
+            raise ProfileDatabaseError(
+                self.path, f"schema version {version}, but this tf_ucudnn reads version "
+                           f"{SCHEMA_VERSION}")
+        return True
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        # IMMEDIATE takes the write lock up front, so concurrent writers queue on busy_timeout
+        # instead of failing when upgrading a read lock.
+        self._connection.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if self._connection.in_transaction:  # some errors have already rolled it back
+                self._connection.execute("ROLLBACK")
+            raise
+        self._connection.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _errors(self, action: str):
+        try:
+            yield
+        except sqlite3.DatabaseError as error:  # also OperationalError: locked, unreadable, ...
+            reason = str(error)
+            if reason in ("file is not a database", "database disk image is malformed"):
+                reason = f"not a SQLite database, or damaged ({reason})"
+            raise ProfileDatabaseError(self.path, f"{action}: {reason}") from error
+
+
+def _row(record: ProfileRecord) -> tuple:
+    g = record.geometry
+    return (record.device, record.cudnn_version, g.dtype, g.layout, g.shape_key(), record.kernel,
+            record.batch_size, record.algo, record.math, record.time_ms, record.workspace_bytes)

@@ -1,0 +1,270 @@
+"""Profile records: what one cuDNN algorithm measured on one convolution kernel and micro-batch.
+
+Records are plain data and travel as JSON lines. Two line layouts are read:
+
+* this module's own, which `write_jsonl` writes and which holds any 2-D or 3-D geometry:
+  `input_dims`, `filter_dims`, `pads`, `strides`, `dilations` as lists, `math` as a name;
+* the layout of the measured files in shared/profiles (2-D only): `height`, `width`,
+  `kernel_h`, `kernel_w`, square `pad` and `stride`, dilation 1, `math` as its cudnnMathType_t
+  value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math as _math
+import os
+from collections import defaultdict
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from tf_ucudnn.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
+
+# Layouts by number of spatial dimensions; the first letter after N says channels-first or -last.
+LAYOUTS = {2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
+
+UNDIVIDED = "undivided"
+POWER_OF_TWO = "power_of_two"
+ALL_SIZES = "all"
+POLICIES = (UNDIVIDED, POWER_OF_TWO, ALL_SIZES)
+
+PathLike = Union[str, os.PathLike]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """Everything about a convolution layer that its cuDNN timings depend on, except the batch size.
+
+    Spatial tuples are in (depth,) height, width order; `pads` are symmetric per dimension, as
+    cuDNN's convolution descriptor takes them.
+    """
+
+    in_channels: int
+    out_channels: int
+    input_dims: tuple[int, ...]
+    filter_dims: tuple[int, ...]
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    dtype: str
+    layout: str
+
+    def __post_init__(self):
+        for name in ("input_dims", "filter_dims", "pads", "strides", "dilations"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        rank = len(self.input_dims)
+        if rank not in LAYOUTS:
+            raise ValueError(f"a convolution has 2 or 3 spatial dimensions, got {self.input_dims}")
+        for name in ("filter_dims", "pads", "strides", "dilations"):
+            if len(getattr(self, name)) != rank:
+                raise ValueError(f"{name} {getattr(self, name)} does not match the {rank} spatial "
+                                 f"dimensions of input_dims {self.input_dims}")
+        if self.layout not in LAYOUTS[rank]:
+            raise ValueError(f"layout of a {rank}-D convolution must be one of {LAYOUTS[rank]}, "
+                             f"got {self.layout!r}")
+        positive = (self.in_channels, self.out_channels, *self.input_dims, *self.filter_dims,
+                    *self.strides, *self.dilations)
+        if min(positive) <= 0 or min(self.pads) < 0:
+            raise ValueError(f"channels, dims, strides and dilations must be positive and pads "
+                             f"non-negative: {self}")
+
+    @property
+    def conv_kind(self) -> str:
+        return f"conv{len(self.input_dims)}d"
+
+    def shape_key(self) -> str:
+        """Canonical text of the geometry without dtype and layout: the database's geometry key."""
+        fields = {name: getattr(self, name) for name in
+                  ("in_channels", "out_channels", "input_dims", "filter_dims", "pads", "strides",
+                   "dilations")}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_shape_key(cls, key: str, dtype: str, layout: str) -> "ConvGeometry":
+        return cls(**json.loads(key), dtype=dtype, layout=layout)
+
+    def __str__(self) -> str:
+        def dims(values):
+            return "x".join(map(str, values))
+        return (f"{self.conv_kind} {self.in_channels}->{self.out_channels}"
+                f" input {dims(self.input_dims)} filter {dims(self.filter_dims)}"
+                f" pad {dims(self.pads)} stride {dims(self.strides)}"
+                f" dilation {dims(self.dilations)} {self.dtype} {self.layout}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """One kernel of one layer on one machine: the unit a timing table belongs to."""
+
+    device: str
+    cudnn_version: int
+    geometry: ConvGeometry
+    kernel: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmTiming:
+    """One algorithm's measurement at one micro-batch size: what the optimizer chooses from."""
+
+    algo: int
+    math: str
+    time_ms: float
+    workspace_bytes: int
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return Algorithm(self.algo, self.math)
+
+
+# Micro-batch size -> the algorithms measured at that size.
+KernelTimings = Mapping[int, Sequence[AlgorithmTiming]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileRecord:
+    device: str
+    cudnn_version: int
+    geometry: ConvGeometry
+    kernel: str
+    batch_size: int
+    algo: int
+    math: str
+    time_ms: float
+    workspace_bytes: int
+    # A label for people (e.g. "alexnet.conv2"); not part of any key, the geometry is.
+    layer: Optional[str] = None
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not _is_int(self.batch_size) or self.batch_size <= 0:
+            raise ValueError(f"batch size must be a positive int, got {self.batch_size!r}")
+        if not _is_int(self.algo) or not 0 <= self.algo < ALGORITHM_COUNTS[self.kernel]:
+            raise ValueError(f"{self.kernel} algorithm must be an int in "
+                             f"[0, {ALGORITHM_COUNTS[self.kernel]}), got {self.algo!r}")
+        if self.math not in MATH_TYPES:
+            raise ValueError(f"math must be one of {MATH_TYPES}, got {self.math!r}")
+        if not _math.isfinite(self.time_ms) or self.time_ms < 0:
+            raise ValueError(f"time_ms must be finite and non-negative, got {self.time_ms!r}")
+        if not _is_int(self.workspace_bytes) or self.workspace_bytes < 0:
+            raise ValueError(f"workspace_bytes must be a non-negative int, got "
+                             f"{self.workspace_bytes!r}")
+
+    @property
+    def kernel_key(self) -> KernelKey:
+        return KernelKey(self.device, self.cudnn_version, self.geometry, self.kernel)
+
+    @property
+    def timing(self) -> AlgorithmTiming:
+        return AlgorithmTiming(self.algo, self.math, self.time_ms, self.workspace_bytes)
+
+    def to_json(self) -> dict:
+        g = self.geometry
+        data = {"device": self.device, "cudnn": self.cudnn_version}
+        if self.layer is not None:
+            data["layer"] = self.layer
+        data.update({
+            "dtype": g.dtype, "format": g.layout,
+            "in_channels": g.in_channels, "out_channels": g.out_channels,
+            "input_dims": list(g.input_dims), "filter_dims": list(g.filter_dims),
+            "pads": list(g.pads), "strides": list(g.strides), "dilations": list(g.dilations),
+            "kernel": self.kernel, "batch": self.batch_size, "algo": self.algo, "math": self.math,
+            "time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes,
+        })
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping, device: Optional[str] = None,
+                  cudnn_version: Optional[int] = None) -> "ProfileRecord":
+        """Reads either line layout; `device`/`cudnn_version` fill in lines that lack them."""
+        device = data.get("device", device)
+        cudnn_version = data.get("cudnn", cudnn_version)
+        if device is None or cudnn_version is None:
+            raise ValueError("the line names no device or cuDNN version and none was given")
+        if "input_dims" in data:
+            geometry = ConvGeometry(
+                in_channels=data["in_channels"], out_channels=data["out_channels"],
+                input_dims=data["input_dims"], filter_dims=data["filter_dims"], pads=data["pads"],
+                strides=data["strides"], dilations=data["dilations"], dtype=data["dtype"],
+                layout=data["format"])
+        else:  # shared/profiles layout: square padding and stride, dilation 1
+            geometry = ConvGeometry(
+                in_channels=data["in_channels"], out_channels=data["out_channels"],
+                input_dims=(data["height"], data["width"]),
+                filter_dims=(data["kernel_h"], data["kernel_w"]),
+                pads=(data["pad"],) * 2, strides=(data["stride"],) * 2, dilations=(1, 1),
+                dtype=data["dtype"], layout=data["format"])
+        math = data["math"]
+        if _is_int(math):
+            if not 0 <= math < len(MATH_TYPES):
+                raise ValueError(f"math {math} is not a cudnnMathType_t value")
+            math = MATH_TYPES[math]
+        return cls(device=device, cudnn_version=int(cudnn_version), geometry=geometry,
+                   kernel=data["kernel"], batch_size=data["batch"], algo=data["algo"], math=math,
+                   time_ms=float(data["time_ms"]), workspace_bytes=data["workspace_bytes"],
+                   layer=data.get("layer"))
+
+
+def read_jsonl(path: PathLike, device: Optional[str] = None,
+               cudnn_version: Optional[int] = None) -> list[ProfileRecord]:
+    """Reads a JSON-lines profile file; a bad line raises ValueError naming the file and line."""
+    records = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(ProfileRecord.from_json(json.loads(line), device, cudnn_version))
+            except (ValueError, KeyError, TypeError) as error:
+                reason = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+                raise ValueError(
+                    f"{os.fspath(path)}:{number}: bad profile record: {reason}") from None
+    return records
+
+
+def write_jsonl(path: PathLike, records: Iterable[ProfileRecord]) -> int:
+    """Writes records one JSON object a line; returns how many."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record.to_json()) + "\n")
+            count += 1
+    return count
+
+
+def group_by_kernel(
+        records: Iterable[ProfileRecord]) -> dict[KernelKey, dict[int, tuple[AlgorithmTiming, ...]]]:
+    """Timing tables, one per kernel of each layer: micro-batch size -> algorithms, fastest first."""
+    tables: dict[KernelKey, dict[int, list[AlgorithmTiming]]] = defaultdict(
+        lambda: defaultdict(list))
+    for record in records:
+        tables[record.kernel_key][record.batch_size].append(record.timing)
+    return {key: {size: fastest_first(timings) for size, timings in sorted(by_size.items())}
+            for key, by_size in tables.items()}
+
+
+def fastest_first(timings: Iterable[AlgorithmTiming]) -> tuple[AlgorithmTiming, ...]:
+    """Sorted by time; ties broken so that the order never depends on where rows came from."""
+    return tuple(sorted(timings, key=lambda t: (t.time_ms, t.workspace_bytes, t.algo, t.math)))
+
+
+def micro_batch_sizes(batch_size: int, policy: str) -> tuple[int, ...]:
+    """Micro-batch sizes worth measuring for a mini-batch, by μ-cuDNN's policies.
+
+    `power_of_two` keeps the whole batch too, so that not dividing is always a candidate.
+    """
+    if not _is_int(batch_size) or batch_size <= 0:
+        raise ValueError(f"batch size must be a positive int, got {batch_size!r}")
+    if policy == UNDIVIDED:
+        return (batch_size,)
+    if policy == POWER_OF_TWO:
+        powers = [1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size]
+        return (*powers, batch_size)
+    if policy == ALL_SIZES:
+        return tuple(range(1, batch_size + 1))
+    raise ValueError(f"micro-batch size policy must be one of {POLICIES}, got {policy!r}")
+
+
+def _is_int(value) -> bool:
+    # bool is an int subclass, but `true` in a JSON line is a mistake, not a 1 (as in plan.py).
+    return isinstance(value, int) and not isinstance(value, bool)
