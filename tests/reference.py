@@ -304,8 +304,8 @@ def safe_algorithms(kernel: str, cfg: Optional[Conv] = None) -> tuple:
 
     Seen on an H100 with cuDNN 9 (legacy API), whatever the math mode: channels-last layouts
     lose bwd_filter algorithm 3, as dilations do; NDHWC has no explicit algorithm that runs for
-    every stride (only "auto" is safe there); float64 has no channels-last backprop at all (no
-    algorithm, "auto" included: a limitation of the op's GPU kernels, not of these choices).
+    every stride (only "auto" is safe there). (float64 runs channels-first inside the kernels,
+    since cuDNN has no channels-last float64 kernels; these choices hold for it as well.)
     """
     if cfg is None:
         return SAFE_ALGORITHMS[kernel]

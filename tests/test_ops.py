@@ -476,6 +476,19 @@ def test_bad_gradient_plan_at_trace_time(prefix, enum):
     assert f"algorithm 7 is not a {enum}" in message
 
 
+@pytest.mark.parametrize("prefix, kernel", [("backprop_input_", "bwd_data"),
+                                            ("backprop_filter_", "bwd_filter")])
+def test_bad_gradient_plan_in_eager_forward(prefix, kernel):
+    """Eagerly too, the forward op refuses a gradient plan that its backward pass could not run."""
+    algorithms = ["algo=-1"]
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _raw_conv(**{prefix + "micro_batches": [5], prefix + "algorithms": algorithms})
+    message = info.value.message
+    assert f"UcudnnConv2D 'UcudnnConv2D' (gradient's {kernel} kernel)" in message
+    assert _plan_text([5], algorithms, prefix) in message
+    assert "algorithm -1 is not a" in message
+
+
 @pytest.mark.parametrize("op_name", ["UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter",
                                      "UcudnnConv3DBackpropInput", "UcudnnConv3DBackpropFilter"])
 def test_bad_plan_on_backprop_ops(device, op_name):

@@ -4,6 +4,7 @@
 #define TF_UCUDNN_CC_KERNELS_CONV_OP_KERNEL_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -51,6 +52,22 @@ class UcudnnConvOp : public tensorflow::OpKernel {
                 absl::Status(status.code(), absl::StrCat(type_string(), " '", name(), "' (",
                                                          KernelName(kKernel), " kernel): ",
                                                          status.message())));
+    // The plans this op's gradient will hand the backprop ops are checked here too, so that a
+    // bad one fails where it was written, not in a later backward pass.
+    if (kKernel == ConvKernel::kForward) {
+      for (auto [kernel, names] : {std::make_pair(ConvKernel::kBackpropInput,
+                                                  BackpropInputPlanAttrs()),
+                                   std::make_pair(ConvKernel::kBackpropFilter,
+                                                  BackpropFilterPlanAttrs())}) {
+        MicroBatchPlan gradient_plan;
+        status = ReadPlanAttrs(ctx, kernel, names, &gradient_plan);
+        OP_REQUIRES(ctx, status.ok(),
+                    absl::Status(status.code(),
+                                 absl::StrCat(type_string(), " '", name(), "' (gradient's ",
+                                              KernelName(kernel), " kernel): ",
+                                              status.message())));
+      }
+    }
   }
 
   void Compute(tensorflow::OpKernelContext* ctx) override {

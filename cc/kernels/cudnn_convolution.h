@@ -269,26 +269,28 @@ class CudnnConvolution {
     TF_RETURN_IF_ERROR(Begin());
     TF_RETURN_IF_ERROR(AllocateBuffers(workspace_limit));
     const auto dtype = tensorflow::DataTypeToEnum<T>::value;
+    int64_t largest = 0;
+    for (int64_t size : sizes) largest = std::max(largest, size);
+    // Results go to scratch; operands are copied where cuDNN needs another layout or padding.
     tensorflow::Tensor scratch;
-    if (kernel_ == ConvKernel::kForward) {
+    if (kernel_ == ConvKernel::kForward && !transposed_) {
       TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({g_.batch * g_.OutputSampleSize()}), &scratch));
+          dtype, tensorflow::TensorShape({largest * g_.OutputSampleSize()}), &scratch));
       buffers_.output = scratch.flat<T>().data();
-    } else if (kernel_ == ConvKernel::kBackpropInput && !needs_padded_copy_) {
+    } else if (kernel_ == ConvKernel::kBackpropInput && !needs_input_copy_) {
       TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({g_.batch * g_.InputSampleSize()}), &scratch));
+          dtype, tensorflow::TensorShape({largest * g_.InputSampleSize()}), &scratch));
       buffers_.input = scratch.flat<T>().data();
     }
     if (kernel_ != ConvKernel::kBackpropFilter) TF_RETURN_IF_ERROR(FilterToCudnnLayout());
-    T* cudnn_input = buffers_.input;
-    if (needs_padded_copy_) {
-      cudnn_input = PaddedInput();
-      if (kernel_ != ConvKernel::kBackpropInput) {
-        int64_t largest = 0;
-        for (int64_t size : sizes) largest = std::max(largest, size);
-        TF_RETURN_IF_ERROR(Copy(PaddingCopy(largest, /*to_padded=*/true), buffers_.input,
-                                cudnn_input));
-      }
+    T* cudnn_input = needs_input_copy_ ? CudnnInput() : buffers_.input;
+    if (needs_input_copy_ && kernel_ != ConvKernel::kBackpropInput) {
+      TF_RETURN_IF_ERROR(Copy(InputCopy(largest, /*to_cudnn=*/true), buffers_.input, cudnn_input));
+    }
+    T* cudnn_output = transposed_ ? CudnnOutput() : buffers_.output;
+    if (transposed_ && kernel_ != ConvKernel::kForward) {
+      TF_RETURN_IF_ERROR(
+          Copy(OutputCopy(largest, /*to_cudnn=*/true), buffers_.output, cudnn_output));
     }
     TF_RETURN_IF_ERROR(conv_desc_.SetMath(TensorFlowMath(kData)));
     void* workspace = workspace_limit > 0 ? workspace_.flat<uint8_t>().data() : nullptr;
@@ -296,7 +298,7 @@ class CudnnConvolution {
       SizeDescriptors* d;
       TF_RETURN_IF_ERROR(Descriptors(size, &d));
       TF_RETURN_IF_ERROR(
-          Find(*d, cudnn_input, workspace, workspace_limit, size, measurements));
+          Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
     }
     return absl::OkStatus();
   }
@@ -325,8 +327,12 @@ class CudnnConvolution {
   }
 
   // cuDNN pads symmetrically: it gets the smaller side of each dimension, and the rest is added
-  // to a copy of the micro-batch's input.
+  // to a copy of the micro-batch's input. cuDNN's legacy API has no float64 kernels for
+  // channels-last layouts (TensorFlow runs those channels-first too), so float64 NHWC/NDHWC
+  // micro-batches are transposed on their way in and out.
   absl::Status DescribeConvolution() {
+    cudnn_channels_last_ = g_.channels_last && kData != CUDNN_DATA_DOUBLE;
+    transposed_ = cudnn_channels_last_ != g_.channels_last;
     const int nd = g_.num_spatial_dims();
     std::vector<int64_t> symmetric(nd);
     padded_spatial_ = g_.input_spatial;
@@ -335,16 +341,17 @@ class CudnnConvolution {
       symmetric[i] = std::min(g_.pad_before[i], g_.pad_after[i]);
       extra_before_[i] = g_.pad_before[i] - symmetric[i];
       padded_spatial_[i] += extra_before_[i] + g_.pad_after[i] - symmetric[i];
-      needs_padded_copy_ = needs_padded_copy_ || padded_spatial_[i] != g_.input_spatial[i];
+      needs_input_copy_ = needs_input_copy_ || padded_spatial_[i] != g_.input_spatial[i];
     }
+    needs_input_copy_ = needs_input_copy_ || transposed_;
     TF_RETURN_IF_ERROR(filter_desc_.Init(
-        kData, g_.channels_last, LogicalDims(g_.out_channels, g_.in_channels, g_.filter_spatial)));
+        kData, cudnn_channels_last_, LogicalDims(g_.out_channels, g_.in_channels, g_.filter_spatial)));
     return conv_desc_.Init(symmetric, g_.strides, g_.dilations, CudnnTypes<T>::kCompute,
                            TensorFlowMath(kData));
   }
 
   struct SizeDescriptors {
-    TensorDescriptor input;   // padded, when padding is asymmetric
+    TensorDescriptor input;  // padded, when padding is asymmetric
     TensorDescriptor output;
   };
 
@@ -353,9 +360,9 @@ class CudnnConvolution {
     if (slot == nullptr) {
       auto created = std::make_unique<SizeDescriptors>();
       TF_RETURN_IF_ERROR(created->input.Init(
-          kData, g_.channels_last, LogicalDims(size, g_.in_channels, padded_spatial_)));
+          kData, cudnn_channels_last_, LogicalDims(size, g_.in_channels, padded_spatial_)));
       TF_RETURN_IF_ERROR(created->output.Init(
-          kData, g_.channels_last, LogicalDims(size, g_.out_channels, g_.output_spatial)));
+          kData, cudnn_channels_last_, LogicalDims(size, g_.out_channels, g_.output_spatial)));
       slot = std::move(created);
     }
     *out = slot.get();
@@ -465,7 +472,7 @@ class CudnnConvolution {
     }
   }
 
-  absl::Status Find(const SizeDescriptors& d, T* cudnn_input, void* workspace,
+  absl::Status Find(const SizeDescriptors& d, T* cudnn_input, T* cudnn_output, void* workspace,
                     size_t workspace_bytes, int64_t size,
                     std::vector<AlgorithmMeasurement>* measurements) {
     constexpr int kMaxResults = 32;
@@ -479,7 +486,7 @@ class CudnnConvolution {
         TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
             cudnnFindConvolutionForwardAlgorithmEx(
                 h, d.input.get(), cudnn_input, filter_desc_.get(), CudnnFilter(),
-                conv_desc_.get(), d.output.get(), buffers_.output, kMaxResults, &returned, perf,
+                conv_desc_.get(), d.output.get(), cudnn_output, kMaxResults, &returned, perf,
                 workspace, workspace_bytes),
             what);
         Record(perf, returned, size, measurements);
@@ -489,7 +496,7 @@ class CudnnConvolution {
         cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxResults];
         TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
             cudnnFindConvolutionBackwardDataAlgorithmEx(
-                h, filter_desc_.get(), CudnnFilter(), d.output.get(), buffers_.output,
+                h, filter_desc_.get(), CudnnFilter(), d.output.get(), cudnn_output,
                 conv_desc_.get(), d.input.get(), cudnn_input, kMaxResults, &returned, perf,
                 workspace, workspace_bytes),
             what);
@@ -500,7 +507,7 @@ class CudnnConvolution {
         cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxResults];
         TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
             cudnnFindConvolutionBackwardFilterAlgorithmEx(
-                h, d.input.get(), cudnn_input, d.output.get(), buffers_.output,
+                h, d.input.get(), cudnn_input, d.output.get(), cudnn_output,
                 conv_desc_.get(), filter_desc_.get(), CudnnFilter(), kMaxResults, &returned,
                 perf, workspace, workspace_bytes),
             what);
@@ -570,19 +577,24 @@ class CudnnConvolution {
     const auto dtype = tensorflow::DataTypeToEnum<T>::value;
     TF_RETURN_IF_ERROR(
         ctx_->allocate_temp(dtype, tensorflow::TensorShape({g_.FilterSize()}), &cudnn_filter_));
-    if (needs_padded_copy_) {
-      int64_t largest = 0;
-      for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
+    int64_t largest = 0;
+    for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
+    if (needs_input_copy_) {
       int64_t padded_sample = g_.in_channels;
       for (int64_t dim : padded_spatial_) padded_sample *= dim;
       TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({largest * padded_sample}), &padded_input_));
+          dtype, tensorflow::TensorShape({largest * padded_sample}), &cudnn_input_));
+    }
+    if (transposed_) {
+      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
+          dtype, tensorflow::TensorShape({largest * g_.OutputSampleSize()}), &cudnn_output_));
     }
     return absl::OkStatus();
   }
 
   T* CudnnFilter() { return cudnn_filter_.flat<T>().data(); }
-  T* PaddedInput() { return padded_input_.flat<T>().data(); }
+  T* CudnnInput() { return cudnn_input_.flat<T>().data(); }
+  T* CudnnOutput() { return cudnn_output_.flat<T>().data(); }
 
   absl::Status Copy(const StridedCopy& copy, const T* src, T* dst) {
     TF_UCUDNN_RETURN_IF_CUDA_ERROR(LaunchStridedCopy(copy, src, dst, sizeof(T), stream_),
@@ -592,7 +604,7 @@ class CudnnConvolution {
 
   absl::Status FilterToCudnnLayout() {
     const auto dims = LogicalDims(g_.out_channels, g_.in_channels, g_.filter_spatial);
-    return Copy(MakeCopy(dims, LogicalStrides(dims, g_.channels_last), dims,
+    return Copy(MakeCopy(dims, LogicalStrides(dims, cudnn_channels_last_), dims,
                          TensorFlowFilterStrides(g_), std::vector<int64_t>(dims.size(), 0)),
                 buffers_.filter, CudnnFilter());
   }
@@ -600,24 +612,34 @@ class CudnnConvolution {
   absl::Status FilterFromCudnnLayout() {
     const auto dims = LogicalDims(g_.out_channels, g_.in_channels, g_.filter_spatial);
     return Copy(MakeCopy(dims, TensorFlowFilterStrides(g_), dims,
-                         LogicalStrides(dims, g_.channels_last),
+                         LogicalStrides(dims, cudnn_channels_last_),
                          std::vector<int64_t>(dims.size(), 0)),
                 CudnnFilter(), buffers_.filter);
   }
 
-  // Between a micro-batch of the op's input and its padded copy; `start` is where the
-  // destination's origin lies in the source.
-  StridedCopy PaddingCopy(int64_t size, bool to_padded) {
+  // Between a micro-batch of the op's input and cuDNN's copy of it (padded, maybe transposed);
+  // `start` is where the destination's origin lies in the source.
+  StridedCopy InputCopy(int64_t size, bool to_cudnn) {
     const auto input = LogicalDims(size, g_.in_channels, g_.input_spatial);
     const auto padded = LogicalDims(size, g_.in_channels, padded_spatial_);
     std::vector<int64_t> start(input.size(), 0);
     for (size_t i = 0; i < extra_before_.size(); ++i) {
-      start[2 + i] = to_padded ? -extra_before_[i] : extra_before_[i];
+      start[2 + i] = to_cudnn ? -extra_before_[i] : extra_before_[i];
     }
-    const auto& dst = to_padded ? padded : input;
-    const auto& src = to_padded ? input : padded;
-    return MakeCopy(dst, LogicalStrides(dst, g_.channels_last), src,
-                    LogicalStrides(src, g_.channels_last), start);
+    const auto input_strides = LogicalStrides(input, g_.channels_last);
+    const auto padded_strides = LogicalStrides(padded, cudnn_channels_last_);
+    return to_cudnn ? MakeCopy(padded, padded_strides, input, input_strides, start)
+                    : MakeCopy(input, input_strides, padded, padded_strides, start);
+  }
+
+  // Between a micro-batch of the op's output (or its gradient) and cuDNN's transposed copy.
+  StridedCopy OutputCopy(int64_t size, bool to_cudnn) {
+    const auto dims = LogicalDims(size, g_.out_channels, g_.output_spatial);
+    const auto op_strides = LogicalStrides(dims, g_.channels_last);
+    const auto cudnn_strides = LogicalStrides(dims, cudnn_channels_last_);
+    const std::vector<int64_t> start(dims.size(), 0);
+    return to_cudnn ? MakeCopy(dims, cudnn_strides, dims, op_strides, start)
+                    : MakeCopy(dims, op_strides, dims, cudnn_strides, start);
   }
 
   absl::Status Execute(size_t index, const ResolvedCall& call) {
@@ -627,9 +649,13 @@ class CudnnConvolution {
     TF_RETURN_IF_ERROR(conv_desc_.SetMath(call.math));
     T* input = buffers_.input + mb.offset * g_.InputSampleSize();
     T* output = buffers_.output + mb.offset * g_.OutputSampleSize();
-    T* cudnn_input = needs_padded_copy_ ? PaddedInput() : input;
-    if (needs_padded_copy_ && kernel_ != ConvKernel::kBackpropInput) {
-      TF_RETURN_IF_ERROR(Copy(PaddingCopy(mb.size, /*to_padded=*/true), input, cudnn_input));
+    T* cudnn_input = needs_input_copy_ ? CudnnInput() : input;
+    if (needs_input_copy_ && kernel_ != ConvKernel::kBackpropInput) {
+      TF_RETURN_IF_ERROR(Copy(InputCopy(mb.size, /*to_cudnn=*/true), input, cudnn_input));
+    }
+    T* cudnn_output = transposed_ ? CudnnOutput() : output;
+    if (transposed_ && kernel_ != ConvKernel::kForward) {
+      TF_RETURN_IF_ERROR(Copy(OutputCopy(mb.size, /*to_cudnn=*/true), output, cudnn_output));
     }
     void* workspace = call.workspace > 0 ? workspace_.flat<uint8_t>().data() : nullptr;
     const Scale one = 1, zero = 0;
@@ -642,17 +668,17 @@ class CudnnConvolution {
         status = cudnnConvolutionForward(
             h, &one, d->input.get(), cudnn_input, filter_desc_.get(), CudnnFilter(),
             conv_desc_.get(), static_cast<cudnnConvolutionFwdAlgo_t>(call.algo), workspace,
-            call.workspace, beta, d->output.get(), output);
+            call.workspace, beta, d->output.get(), cudnn_output);
         break;
       case ConvKernel::kBackpropInput:
         status = cudnnConvolutionBackwardData(
-            h, &one, filter_desc_.get(), CudnnFilter(), d->output.get(), output,
+            h, &one, filter_desc_.get(), CudnnFilter(), d->output.get(), cudnn_output,
             conv_desc_.get(), static_cast<cudnnConvolutionBwdDataAlgo_t>(call.algo), workspace,
             call.workspace, beta, d->input.get(), cudnn_input);
         break;
       case ConvKernel::kBackpropFilter:
         status = cudnnConvolutionBackwardFilter(
-            h, &one, d->input.get(), cudnn_input, d->output.get(), output, conv_desc_.get(),
+            h, &one, d->input.get(), cudnn_input, d->output.get(), cudnn_output, conv_desc_.get(),
             static_cast<cudnnConvolutionBwdFilterAlgo_t>(call.algo), workspace, call.workspace,
             beta, filter_desc_.get(), CudnnFilter());
         break;
@@ -670,8 +696,11 @@ class CudnnConvolution {
                                             MathName(call.math), " math failed for ",
                                             g_.DebugString()));
     }
-    if (needs_padded_copy_ && kernel_ == ConvKernel::kBackpropInput) {
-      TF_RETURN_IF_ERROR(Copy(PaddingCopy(mb.size, /*to_padded=*/false), cudnn_input, input));
+    if (needs_input_copy_ && kernel_ == ConvKernel::kBackpropInput) {
+      TF_RETURN_IF_ERROR(Copy(InputCopy(mb.size, /*to_cudnn=*/false), cudnn_input, input));
+    }
+    if (transposed_ && kernel_ == ConvKernel::kForward) {
+      TF_RETURN_IF_ERROR(Copy(OutputCopy(mb.size, /*to_cudnn=*/false), cudnn_output, output));
     }
     return absl::OkStatus();
   }
@@ -689,10 +718,13 @@ class CudnnConvolution {
   std::map<int64_t, std::unique_ptr<SizeDescriptors>> descriptors_;
   std::vector<int64_t> padded_spatial_;
   std::vector<int64_t> extra_before_;
-  bool needs_padded_copy_ = false;
+  bool cudnn_channels_last_ = false;  // the layout cuDNN sees
+  bool transposed_ = false;           // ... differs from the op's
+  bool needs_input_copy_ = false;     // padded or transposed input
   tensorflow::Tensor workspace_;
   tensorflow::Tensor cudnn_filter_;
-  tensorflow::Tensor padded_input_;
+  tensorflow::Tensor cudnn_input_;
+  tensorflow::Tensor cudnn_output_;
 };
 
 
