@@ -83,18 +83,22 @@ def _runner(g, kernel, x, w, dy, plan):
 
 def _time_ms(run, repeats: int, calls: int) -> float:
     """Median over `repeats` of the mean time of `calls` back-to-back calls, GPU-synchronized."""
-    run().numpy()  # warm-up: autotuning, allocations
+    def wait(result):  # one element back to the host: waits for the GPU, copies nothing big
+        tf.reshape(result, [-1])[0].numpy()
+
+    wait(run())  # warm-up: autotuning, allocations
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(calls):
             result = run()
-        result.numpy()
+        wait(result)
         samples.append((time.perf_counter() - start) * 1e3 / calls)
     return statistics.median(samples)
 
 
-def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls):
+def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
+                    call_overhead_ms):
     model = models.load_model(name, "channels_first")
     layers, skipped = find_conv_layers(trace_model(model, batch))
     geometries = unique_geometries(layers)
@@ -114,7 +118,8 @@ def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls):
                     for label, sizes in (("undivided", [batch]), ("micro_batched", None)):
                         try:
                             config = fastest_configuration(kernel, timings, batch, limit * MIB,
-                                                           micro_batch_sizes=sizes)
+                                                           micro_batch_sizes=sizes,
+                                                           call_overhead_ms=call_overhead_ms)
                         except NoFeasiblePlanError as error:
                             entry[label] = {"error": str(error)}
                             continue
@@ -165,6 +170,8 @@ def main():
     parser.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--call-overhead-ms", type=float, default=0.0,
+                        help="host time per micro-batch added to cuDNN's timings when planning")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     machine = current_machine()
@@ -173,11 +180,13 @@ def main():
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "host": platform.node(), "dtype": "float32", "layout": "NCHW",
                "timing": f"median of {args.repeats} x mean of {args.calls} back-to-back calls",
+               "call_overhead_ms": args.call_overhead_ms,
                "models": []}
     with ProfileDatabase(args.database) as database:
         for name in args.models:
             results["models"].append(benchmark_model(name, args.batch, args.limits_mib, database,
-                                                     machine, args.repeats, args.calls))
+                                                     machine, args.repeats, args.calls,
+                                                     args.call_overhead_ms))
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
     for model in results["models"]:

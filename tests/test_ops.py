@@ -210,10 +210,12 @@ def test_conv3d_backprop_input_takes_int64_sizes(device, rng):
     w = random(cfg.filter_shape, tf.float64, rng)
     dy = random(cfg.output_shape, tf.float64, rng)
     with tf.device(device):
+        # Algorithm 1 is deterministic (0 adds with atomics), so the two runs agree bit for bit.
+        plan = KernelPlan.of((2, 1), (3, 1))
         dx32 = tf_ucudnn.conv3d_backprop_input(tf.constant(cfg.input_shape, tf.int32), w, dy,
-                                               **cfg.kwargs(), plan=KernelPlan.of((2, 0), (3, 1)))
+                                               **cfg.kwargs(), plan=plan)
         dx64 = tf_ucudnn.conv3d_backprop_input(tf.constant(cfg.input_shape, tf.int64), w, dy,
-                                               **cfg.kwargs(), plan=KernelPlan.of((2, 0), (3, 1)))
+                                               **cfg.kwargs(), plan=plan)
     assert_on_device(dx64, device)
     np.testing.assert_array_equal(dx32, dx64)
     assert_close(dx64, backprop_input(cfg.input_shape, w, dy, cfg),
@@ -397,7 +399,7 @@ def test_plan_not_summing_to_batch_fails_at_run_time(device, mode):
 
 
 def test_gradient_plan_not_summing_to_batch_fails_when_the_gradient_runs(device):
-    plan = LayerPlan(backprop_filter=KernelPlan.of((1, 0), (3, 3)))
+    plan = LayerPlan(backprop_filter=KernelPlan.of((1, 0), (3, 1)))
 
     @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 3], tf.float32)])
     def grads(x):
@@ -411,7 +413,7 @@ def test_gradient_plan_not_summing_to_batch_fails_when_the_gradient_runs(device)
         grads(tf.constant(_X))
     message = info.value.message
     assert "UcudnnConv2DBackpropFilter" in message and "bwd_filter kernel" in message
-    assert "[1@algo=0, 3@algo=3]" in message and "sum to 4 but the batch has 5" in message
+    assert "[1@algo=0, 3@algo=1]" in message and "sum to 4 but the batch has 5" in message
     with tf.device(device):
         assert grads(tf.constant(_X[:4])).shape == (3, 3, 3, 4)
 

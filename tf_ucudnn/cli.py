@@ -65,7 +65,7 @@ def _machine(database: ProfileDatabase, device: Optional[str],
 
 def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine: Machine, *,
                 batch_size: int, mode: str, limit_bytes: int, deterministic: bool,
-                live_bytes: Optional[dict] = None) -> PlanReport:
+                live_bytes: Optional[dict] = None, call_overhead_ms: float = 0.0) -> PlanReport:
     """Plans every kernel of every layer from the database's measurements."""
     tables, missing = {}, []
     for layer in layers:
@@ -82,13 +82,15 @@ def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine:
                         "or import a profile file with --profiles")
     if mode == PER_KERNEL:
         return kernel_limit_report(tables, batch_size, limit_bytes,
-                                   deterministic_only=deterministic)
+                                   deterministic_only=deterministic,
+                                   call_overhead_ms=call_overhead_ms)
 
     def options(undivided: bool):
         sizes = [batch_size] if undivided else None
         return [KernelOptions(layer, kernel, pareto_configurations(
                     kernel, timings, batch_size, deterministic_only=deterministic,
-                    micro_batch_sizes=sizes), (live_bytes or {}).get((layer, kernel), 0))
+                    micro_batch_sizes=sizes, call_overhead_ms=call_overhead_ms),
+                    (live_bytes or {}).get((layer, kernel), 0))
                 for (layer, kernel), timings in tables.items()]
 
     plan = optimize_network(options(False), limit_bytes, mode)
@@ -166,7 +168,8 @@ def _plan_command(args) -> int:
             layers, database, machine, batch_size=args.batch, mode=mode,
             limit_bytes=int(limit * MIB),
             deterministic=args.deterministic or tf_config.is_op_determinism_enabled(),
-            live_bytes=training_live_bytes(layers) if mode == DYNAMIC_ALLOCATOR else None)
+            live_bytes=training_live_bytes(layers) if mode == DYNAMIC_ALLOCATOR else None,
+            call_overhead_ms=args.call_overhead_us / 1000)
     print(f"{args.model}, batch {args.batch}, {len(layers)} convolutions, measurements of "
           f"{machine.device} (cuDNN {machine.cudnn_version})")
     print(report.to_text())
@@ -196,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="micro-batch sizes to measure on a GPU")
     plan.add_argument("--deterministic", action="store_true",
                       help="deterministic algorithms only (implied by TF's op determinism)")
+    plan.add_argument("--call-overhead-us", type=float, default=0.0,
+                      help="host time of one micro-batch's call, added to cuDNN's timings")
     plan.add_argument("--database", default=DEFAULT_DATABASE)
     plan.add_argument("--profiles", nargs="*", default=[], help="JSON-lines files to import")
     plan.add_argument("--device", help="plan with this device's measurements")

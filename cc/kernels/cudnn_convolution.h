@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -239,7 +240,7 @@ class CudnnConvolution {
     size_t workspace_bytes = 0;
     for (size_t i = 0; i < micro_batches_.size(); ++i) {
       ResolvedCall call;
-      TF_RETURN_IF_ERROR(Resolve(i, &call));
+      TF_RETURN_IF_ERROR(CachedResolve(i, &call));
       workspace_bytes = std::max(workspace_bytes, call.workspace);
       calls.push_back(call);
     }
@@ -309,10 +310,9 @@ class CudnnConvolution {
 
   absl::Status Begin() {
     stream_ = ctx_->eigen_gpu_device().stream();
-    int device = 0;
-    TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.filter, &device));
-    TF_RETURN_IF_ERROR(scoped_device_.Enter(device));
-    TF_RETURN_IF_ERROR(AcquireCudnnHandle(device, stream_, &handle_));
+    TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.filter, &device_));
+    TF_RETURN_IF_ERROR(scoped_device_.Enter(device_));
+    TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
     return DescribeConvolution();
   }
 
@@ -518,6 +518,32 @@ class CudnnConvolution {
     return absl::OkStatus();
   }
 
+  // Resolving asks cuDNN for heuristics and workspace sizes, which in cuDNN 9 takes longer on
+  // the host than a small micro-batch takes on the GPU. The answer depends only on the key, so
+  // it is kept for the life of the process (failures are not kept: they end the step anyway).
+  absl::Status CachedResolve(size_t index, ResolvedCall* call) {
+    static std::mutex* mutex = new std::mutex;
+    static auto* cache = new std::map<std::string, ResolvedCall>;
+    const MicroBatch& mb = micro_batches_[index];
+    const std::string key = absl::StrCat(
+        device_, "|", KernelName(kernel_), "|", static_cast<int>(kData), "|",
+        g_.channels_last, "|", g_.DebugString(), "|", mb.size, "|", mb.algorithm.ToString(), "|",
+        static_cast<int>(TensorFlowMath(kData)), "|", tensorflow::OpDeterminismRequired(), "|",
+        AutomaticWorkspaceLimit());
+    {
+      std::lock_guard<std::mutex> lock(*mutex);
+      auto found = cache->find(key);
+      if (found != cache->end()) {
+        *call = found->second;
+        return absl::OkStatus();
+      }
+    }
+    TF_RETURN_IF_ERROR(Resolve(index, call));
+    std::lock_guard<std::mutex> lock(*mutex);
+    cache->emplace(key, *call);
+    return absl::OkStatus();
+  }
+
   // Picks the micro-batch's algorithm (given, or cuDNN's best that fits) and its workspace.
   absl::Status Resolve(size_t index, ResolvedCall* call) {
     const MicroBatch& mb = micro_batches_[index];
@@ -711,6 +737,7 @@ class CudnnConvolution {
   ConvBuffers<T> buffers_;
   std::vector<MicroBatch> micro_batches_;
   cudaStream_t stream_ = nullptr;
+  int device_ = 0;
   ScopedCudaDevice scoped_device_;
   CudnnHandleLease handle_;
   FilterDescriptor filter_desc_;

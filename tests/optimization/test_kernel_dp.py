@@ -189,3 +189,18 @@ def test_bad_arguments():
         fastest_configuration("forward", table, 1)
     with pytest.raises(ValueError, match="batch size"):
         fastest_configuration("fwd", table, 0)
+
+
+def test_call_overhead_favours_fewer_micro_batches():
+    """Each micro-batch costs a fixed host time on top of cuDNN's: with enough of it, splitting
+    stops paying, and the predicted time counts it once per micro-batch."""
+    from tf_ucudnn.profiling.records import AlgorithmTiming
+    table = {8: (AlgorithmTiming(0, "default", 8.0, 0),),
+             4: (AlgorithmTiming(1, "default", 3.0, 0),)}  # 2 x 3.0 beats 8.0 without overhead
+    split = fastest_configuration("fwd", table, 8)
+    assert split.plan.sizes == (4, 4) and split.time_ms == 6.0
+    # With 2.5 ms a call: 8.0 + 2.5 = 10.5 undivided against 2 x (3.0 + 2.5) = 11.0 split.
+    costly = fastest_configuration("fwd", table, 8, call_overhead_ms=2.5)
+    assert costly.plan.sizes == (8,) and costly.time_ms == 10.5
+    with pytest.raises(ValueError, match="non-negative"):
+        fastest_configuration("fwd", table, 8, call_overhead_ms=-1.0)

@@ -64,13 +64,17 @@ class KernelConfiguration:
 def fastest_configuration(kernel: str, timings: KernelTimings, batch_size: int,
                           workspace_limit: Optional[int] = None, *,
                           deterministic_only: bool = False,
-                          micro_batch_sizes: Optional[Iterable[int]] = None) -> KernelConfiguration:
+                          micro_batch_sizes: Optional[Iterable[int]] = None,
+                          call_overhead_ms: float = 0.0) -> KernelConfiguration:
     """The fastest plan for `batch_size` samples, each micro-batch within `workspace_limit` bytes.
 
     `micro_batch_sizes` restricts the sizes used (e.g. `[batch_size]` for the best undivided run);
-    by default every size in `timings` may be used. Raises NoFeasiblePlanError if nothing fits.
+    by default every size in `timings` may be used. `call_overhead_ms` is added per micro-batch:
+    the host time of one call, which cuDNN's own timings leave out. Raises NoFeasiblePlanError if
+    nothing fits.
     """
-    table = _CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes)
+    table = _CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
+                            call_overhead_ms)
     limit = table.largest_workspace if workspace_limit is None else workspace_limit
     configuration = table.solve(np.array([limit], dtype=np.int64))[0]
     if configuration is None:
@@ -82,13 +86,14 @@ def fastest_configuration(kernel: str, timings: KernelTimings, batch_size: int,
 
 def pareto_configurations(kernel: str, timings: KernelTimings, batch_size: int, *,
                           deterministic_only: bool = False,
-                          micro_batch_sizes: Optional[Iterable[int]] = None
-                          ) -> tuple[KernelConfiguration, ...]:
+                          micro_batch_sizes: Optional[Iterable[int]] = None,
+                          call_overhead_ms: float = 0.0) -> tuple[KernelConfiguration, ...]:
     """The (time, workspace) Pareto front over all workspace limits: μ-cuDNN's desirable set.
 
     Sorted by workspace ascending, hence by time descending; no entry is dominated by another.
     """
-    table = _CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes)
+    table = _CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
+                            call_overhead_ms)
     feasible = [c for c in table.solve(table.distinct_workspaces) if c is not None]
     if not feasible:
         raise NoFeasiblePlanError(f"{kernel}: no micro-batches of sizes {table.sizes_text} sum "
@@ -104,14 +109,18 @@ class _CandidateTable:
     """The timings that may be used, as arrays: sizes descending, each size's algorithms."""
 
     def __init__(self, kernel: str, timings: KernelTimings, batch_size: int,
-                 deterministic_only: bool, micro_batch_sizes: Optional[Iterable[int]]):
+                 deterministic_only: bool, micro_batch_sizes: Optional[Iterable[int]],
+                 call_overhead_ms: float = 0.0):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch size must be a positive int, got {batch_size!r}")
         allowed = None if micro_batch_sizes is None else set(micro_batch_sizes)
+        if call_overhead_ms < 0:
+            raise ValueError(f"call overhead must be non-negative, got {call_overhead_ms}")
         self.kernel = kernel
         self.batch_size = batch_size
+        self.call_overhead_ms = call_overhead_ms
         self.filter_text = " using deterministic algorithms only" if deterministic_only else ""
         # Descending, so that of equally fast plans the DP keeps the one with fewer micro-batches.
         self.sizes: list[int] = []
@@ -160,7 +169,7 @@ class _CandidateTable:
             first = int(np.searchsorted(-sizes, -b))  # first (largest) size <= b
             if first == len(sizes):
                 continue
-            candidates = best_time[first:] + total[b - sizes[first:]]
+            candidates = best_time[first:] + self.call_overhead_ms + total[b - sizes[first:]]
             picked = np.argmin(candidates, axis=0)
             total[b] = candidates[picked, columns]
             choice[b] = first + picked
@@ -176,14 +185,15 @@ class _CandidateTable:
                 timing = self.algorithms[s][best_algo[s, column]]
                 micro_batches.append((self.sizes[s], timing))
                 remaining -= self.sizes[s]
-            configurations.append(_configuration(micro_batches))
+            configurations.append(_configuration(micro_batches, self.call_overhead_ms))
         return configurations
 
 
-def _configuration(micro_batches: Sequence[tuple[int, AlgorithmTiming]]) -> KernelConfiguration:
+def _configuration(micro_batches: Sequence[tuple[int, AlgorithmTiming]],
+                   call_overhead_ms: float) -> KernelConfiguration:
     # Largest micro-batches first: a canonical order (the order does not change time or workspace).
     ordered = sorted(micro_batches, key=lambda mb: (-mb[0], mb[1].algo, mb[1].math))
     return KernelConfiguration(
         plan=KernelPlan(tuple(MicroBatch(size, t.algorithm) for size, t in ordered)),
-        time_ms=float(sum(t.time_ms for _, t in ordered)),
+        time_ms=float(sum(t.time_ms + call_overhead_ms for _, t in ordered)),
         workspace_bytes=max(t.workspace_bytes for _, t in ordered))

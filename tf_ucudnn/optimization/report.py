@@ -123,16 +123,19 @@ def summarize(plan: KernelPlan) -> str:
 
 
 def kernel_limit_report(tables: Mapping[tuple[str, str], KernelTimings], batch_size: int,
-                        workspace_limit: int, *, deterministic_only: bool = False) -> PlanReport:
+                        workspace_limit: int, *, deterministic_only: bool = False,
+                        call_overhead_ms: float = 0.0) -> PlanReport:
     """Each (layer, kernel) table planned alone under `workspace_limit` bytes, in given order."""
     kernels = []
     for (layer, kernel), timings in tables.items():
         chosen = fastest_configuration(kernel, timings, batch_size, workspace_limit,
-                                       deterministic_only=deterministic_only)
+                                       deterministic_only=deterministic_only,
+                                       call_overhead_ms=call_overhead_ms)
         try:
             undivided = fastest_configuration(kernel, timings, batch_size, workspace_limit,
                                               deterministic_only=deterministic_only,
-                                              micro_batch_sizes=[batch_size])
+                                              micro_batch_sizes=[batch_size],
+                                              call_overhead_ms=call_overhead_ms)
         except NoFeasiblePlanError:
             undivided = None
         kernels.append(KernelReport(layer, kernel, chosen, undivided, workspace_limit))
