@@ -145,3 +145,19 @@ def test_group_by_kernel_builds_fastest_first_tables(profiles_dir):
         for timings in table.values():
             times = [t.time_ms for t in timings]
             assert times == sorted(times)
+
+
+def test_reads_gzipped_files(tmp_path):
+    import gzip
+    import os
+    from tf_ucudnn.profiling.records import read_jsonl
+    shared = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results",
+                          "h100-cudnn9.14-fp32-nchw-alexnet-resnet50-b256.jsonl.gz")
+    records = read_jsonl(shared)
+    assert len(records) > 1000
+    assert {r.device for r in records} == {"NVIDIA H100 80GB HBM3"}
+    assert {r.kernel for r in records} == {"fwd", "bwd_data", "bwd_filter"}
+    plain = tmp_path / "profiles.jsonl"
+    with gzip.open(shared, "rt") as source:
+        plain.write_text(source.read())
+    assert read_jsonl(plain) == records

@@ -12,6 +12,7 @@ Records are plain data and travel as JSON lines. Two line layouts are read:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math as _math
 import os
@@ -207,9 +208,11 @@ class ProfileRecord:
 
 def read_jsonl(path: PathLike, device: Optional[str] = None,
                cudnn_version: Optional[int] = None) -> list[ProfileRecord]:
-    """Reads a JSON-lines profile file; a bad line raises ValueError naming the file and line."""
+    """Reads a JSON-lines profile file (gzipped if its name ends in .gz); a bad line raises
+    ValueError naming the file and line."""
     records = []
-    with open(path, encoding="utf-8") as lines:
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
