@@ -8,6 +8,7 @@ built without its cuDNN kernels. `python -m pytest tests -m gpu` runs the GPU ca
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,3 +61,18 @@ def gpu_device(no_tf32):
 def rng(request):
     """A random generator seeded from the test's id, so every case is reproducible on its own."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# The measured H100 profiles live beside the checkout (../shared/profiles) or inside it (shared/).
+_REPO = Path(__file__).resolve().parents[1]
+_PROFILE_DIRS = ([Path(os.environ["TF_UCUDNN_PROFILES"])] if "TF_UCUDNN_PROFILES" in os.environ
+                 else []) + [_REPO.parent / "shared" / "profiles", _REPO / "shared" / "profiles"]
+
+
+@pytest.fixture(scope="session")
+def profiles_dir() -> Path:
+    """The folder of the measured H100 profiles (../shared/profiles/README.md)."""
+    for candidate in _PROFILE_DIRS:
+        if (candidate / "h100-cudnn9.14-fp32-nchw.jsonl").exists():
+            return candidate
+    pytest.skip(f"measured profiles not found in {[str(c) for c in _PROFILE_DIRS]}")

@@ -120,37 +120,36 @@ def conv3d(input, filters, strides, padding: Padding, data_format: str = "NDHWC"
                               **_forward_plan_attrs(plan), name=name)
 
 
+def _backprop(op, num_spatial, first, second, out_backprop, strides, padding, data_format,
+              dilations, plan, name):
+    return op(first, second, out_backprop,
+              **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
+              **_kernel_plan_attrs(plan), name=name)
+
+
 def conv2d_backprop_input(input_sizes, filters, out_backprop, strides, padding: Padding,
                           data_format: str = "NHWC", dilations=None,
                           plan: Optional[KernelPlan] = None, name: Optional[str] = None):
-    return _ops.ucudnn_conv2d_backprop_input(
-        input_sizes, filters, out_backprop,
-        **_conv_attrs(2, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
-        name=name)
+    return _backprop(_ops.ucudnn_conv2d_backprop_input, 2, input_sizes, filters, out_backprop,
+                     strides, padding, data_format, dilations, plan, name)
 
 
 def conv2d_backprop_filter(input, filter_sizes, out_backprop, strides, padding: Padding,
                            data_format: str = "NHWC", dilations=None,
                            plan: Optional[KernelPlan] = None, name: Optional[str] = None):
-    return _ops.ucudnn_conv2d_backprop_filter(
-        input, filter_sizes, out_backprop,
-        **_conv_attrs(2, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
-        name=name)
+    return _backprop(_ops.ucudnn_conv2d_backprop_filter, 2, input, filter_sizes, out_backprop,
+                     strides, padding, data_format, dilations, plan, name)
 
 
 def conv3d_backprop_input(input_sizes, filters, out_backprop, strides, padding: Padding,
                           data_format: str = "NDHWC", dilations=None,
                           plan: Optional[KernelPlan] = None, name: Optional[str] = None):
-    return _ops.ucudnn_conv3d_backprop_input(
-        input_sizes, filters, out_backprop,
-        **_conv_attrs(3, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
-        name=name)
+    return _backprop(_ops.ucudnn_conv3d_backprop_input, 3, input_sizes, filters, out_backprop,
+                     strides, padding, data_format, dilations, plan, name)
 
 
 def conv3d_backprop_filter(input, filter_sizes, out_backprop, strides, padding: Padding,
                            data_format: str = "NDHWC", dilations=None,
                            plan: Optional[KernelPlan] = None, name: Optional[str] = None):
-    return _ops.ucudnn_conv3d_backprop_filter(
-        input, filter_sizes, out_backprop,
-        **_conv_attrs(3, strides, padding, data_format, dilations), **_kernel_plan_attrs(plan),
-        name=name)
+    return _backprop(_ops.ucudnn_conv3d_backprop_filter, 3, input, filter_sizes, out_backprop,
+                     strides, padding, data_format, dilations, plan, name)
