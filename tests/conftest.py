@@ -63,10 +63,9 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-# The measured H100 profiles live beside the checkout (../shared/profiles) or inside it (shared/).
-_REPO = Path(__file__).resolve().parents[1]
+# The measured H100 profiles, copied into tests/data so that CI tests the optimizer on them.
 _PROFILE_DIRS = ([Path(os.environ["TF_UCUDNN_PROFILES"])] if "TF_UCUDNN_PROFILES" in os.environ
-                 else []) + [_REPO.parent / "shared" / "profiles", _REPO / "shared" / "profiles"]
+                 else []) + [Path(__file__).resolve().parent / "data" / "profiles"]
 
 
 @pytest.fixture(scope="session")

@@ -14,11 +14,13 @@ from tf_ucudnn.ops import (
     conv3d_backprop_input,
     gpu_kernels_available,
 )
+from tf_ucudnn.graph.rewrite import RewriteReport, rewrite
 from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.planner import DatabasePlanner
 
 __all__ = [
-    "Algorithm", "KernelPlan", "LayerPlan", "MicroBatch",
+    "Algorithm", "DatabasePlanner", "KernelPlan", "LayerPlan", "MicroBatch", "RewriteReport",
     "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
     "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",
-    "gpu_kernels_available",
+    "gpu_kernels_available", "rewrite",
 ]

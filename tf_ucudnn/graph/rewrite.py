@@ -1,0 +1,214 @@
+"""The graph pass: TensorFlow's convolution nodes become tf_ucudnn's ops, carrying their plans.
+
+Works on a `GraphDef` (its main graph and its function library alike), a `tf.Graph`, or a
+`ConcreteFunction`, whose rewritten graph is wrapped back into a callable bound to the same
+variables. Each forward Conv2D/Conv3D is grouped with the backprop nodes that
+`tf.GradientTape` made from it (same input tensor, same filter tensor, same attributes), so one
+`LayerPlan` serves the three kernels of a layer. Every convolution node left alone is reported with
+the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.python.framework import function_def_to_graph
+
+from tf_ucudnn.graph.conv_layers import ConvLayer, UnsupportedConvolution, conv_layer_of
+from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
+
+# TensorFlow op -> (tf_ucudnn op, kernel).
+REPLACEMENTS = {
+    "Conv2D": ("UcudnnConv2D", FORWARD),
+    "Conv3D": ("UcudnnConv3D", FORWARD),
+    "Conv2DBackpropInput": ("UcudnnConv2DBackpropInput", BACKPROP_INPUT),
+    "Conv3DBackpropInputV2": ("UcudnnConv3DBackpropInput", BACKPROP_INPUT),
+    "Conv2DBackpropFilter": ("UcudnnConv2DBackpropFilter", BACKPROP_FILTER),
+    "Conv3DBackpropFilterV2": ("UcudnnConv3DBackpropFilter", BACKPROP_FILTER),
+}
+_SAME_ATTRS = ("strides", "padding", "data_format", "dilations", "explicit_paddings")
+
+# Given a layer, its plan, or a string saying why it is left alone.
+Planner = Callable[[ConvLayer], Union[LayerPlan, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewrittenLayer:
+    layer: ConvLayer
+    scope: str  # "" for the main graph, else the library function's name
+    nodes: dict  # kernel -> node name
+    plan: LayerPlan
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer.name, "scope": self.scope, "nodes": self.nodes,
+                "plan": self.plan.to_json()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeftAlone:
+    node: str
+    scope: str
+    reason: str
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    layers: list = dataclasses.field(default_factory=list)
+    left_alone: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"layers": [layer.to_json() for layer in self.layers],
+                "left_alone": [dataclasses.asdict(item) for item in self.left_alone]}
+
+    def to_text(self) -> str:
+        lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
+                 f"{len(self.left_alone)} convolution node(s) left alone"]
+        for item in self.layers:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  {item.layer.name}{where}: {item.plan.dumps()}")
+        for item in self.left_alone:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  left alone {item.node}{where}: {item.reason}")
+        return "\n".join(lines)
+
+
+def _replace(node, kernel_plan: KernelPlan, extra: Optional[dict] = None) -> None:
+    node.op = REPLACEMENTS[node.op][0]
+    node.attr.pop("use_cudnn_on_gpu", None)
+    attrs = dict(kernel_plan.attrs())
+    attrs.update(extra or {})
+    for key, value in attrs.items():
+        if key.endswith("micro_batches"):
+            node.attr[key].CopyFrom(attr_value_pb2.AttrValue(
+                list=attr_value_pb2.AttrValue.ListValue(i=list(value))))
+        else:
+            node.attr[key].CopyFrom(attr_value_pb2.AttrValue(
+                list=attr_value_pb2.AttrValue.ListValue(s=[v.encode() for v in value])))
+
+
+def _attrs_match(a: tf.Operation, b: tf.Operation) -> bool:
+    names = {attr.name for attr in a.op_def.attr} & {attr.name for attr in b.op_def.attr}
+    return all(a.get_attr(name) == b.get_attr(name) for name in _SAME_ATTRS if name in names)
+
+
+def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
+                   report: RewriteReport) -> None:
+    """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place."""
+    by_name = {node.name: node for node in node_defs}
+    ops = [op for op in graph.get_operations() if op.type in REPLACEMENTS and op.name in by_name]
+    forwards = [op for op in ops if REPLACEMENTS[op.type][1] == FORWARD]
+    claimed = set()
+
+    def gradient_nodes(forward: tf.Operation) -> dict:
+        nodes = {FORWARD: forward.name}
+        for op in ops:
+            kernel = REPLACEMENTS[op.type][1]
+            if op.name in claimed or kernel == FORWARD or not _attrs_match(op, forward):
+                continue
+            if kernel == BACKPROP_INPUT and op.inputs[1].name == forward.inputs[1].name:
+                nodes.setdefault(BACKPROP_INPUT, op.name)
+            if kernel == BACKPROP_FILTER and op.inputs[0].name == forward.inputs[0].name:
+                nodes.setdefault(BACKPROP_FILTER, op.name)
+        claimed.update(nodes.values())
+        return nodes
+
+    def leave_alone(forward: tf.Operation, reason: str) -> None:
+        for kernel, name in gradient_nodes(forward).items():
+            report.left_alone.append(LeftAlone(name, scope, reason if kernel == FORWARD else
+                                               f"gradient of {forward.name}, left alone: {reason}"))
+
+    for forward in forwards:
+        try:
+            layer = conv_layer_of(forward)
+        except UnsupportedConvolution as error:
+            leave_alone(forward, str(error))
+            continue
+        plan = planner(layer)
+        if isinstance(plan, str):
+            leave_alone(forward, plan)
+            continue
+        nodes = gradient_nodes(forward)
+        gradient_plans = {f"backprop_input_{k}": v for k, v in plan.backprop_input.attrs().items()}
+        gradient_plans.update({f"backprop_filter_{k}": v
+                               for k, v in plan.backprop_filter.attrs().items()})
+        _replace(by_name[forward.name], plan.forward, gradient_plans)
+        for kernel in (BACKPROP_INPUT, BACKPROP_FILTER):
+            if kernel in nodes:
+                _replace(by_name[nodes[kernel]], plan.kernel(kernel))
+        report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
+    for op in ops:
+        if op.name not in claimed and REPLACEMENTS[op.type][1] != FORWARD:
+            report.left_alone.append(LeftAlone(
+                op.name, scope, "a backprop node with no forward convolution of the same input, "
+                "filter and attributes in this graph, so no layer plan to give it"))
+
+
+def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
+                      graph: Optional[tf.Graph] = None) -> tuple[graph_pb2.GraphDef, RewriteReport]:
+    """A copy of `graph_def` with its convolutions (main graph and library) replaced.
+
+    `graph`, the graph `graph_def` came from, gives shapes a bare GraphDef may not hold (a
+    variable's, for one); without it the GraphDef is imported to infer them.
+    """
+    rewritten = graph_pb2.GraphDef()
+    rewritten.CopyFrom(graph_def)
+    report = RewriteReport()
+    if graph is None:
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    _rewrite_nodes(graph, rewritten.node, "", planner, report)
+    for function in rewritten.library.function:
+        try:
+            body = function_def_to_graph.function_def_to_graph(function)
+        except Exception as error:  # a body TensorFlow itself cannot rebuild: say so, keep it
+            for node in function.node_def:
+                if node.op in REPLACEMENTS:
+                    report.left_alone.append(LeftAlone(
+                        node.name, function.signature.name,
+                        f"its function could not be rebuilt to read shapes: {error}"))
+            continue
+        _rewrite_nodes(body, function.node_def, function.signature.name, planner, report)
+    return rewritten, report
+
+
+def rewrite(target, planner: Planner):
+    """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
+
+    A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
+    inputs, outputs and captured variables, running the rewritten graph.
+    """
+    if isinstance(target, graph_pb2.GraphDef):
+        return rewrite_graph_def(target, planner)
+    if isinstance(target, tf.Graph):
+        return rewrite_graph_def(target.as_graph_def(), planner, target)
+    if hasattr(target, "graph") and hasattr(target, "captured_inputs"):
+        return _rewrite_concrete_function(target, planner)
+    raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
+                    f"{type(target).__name__} (for a tf.function, pass "
+                    "fn.get_concrete_function(...))")
+
+
+def _rewrite_concrete_function(function, planner: Planner):
+    graph_def, report = rewrite_graph_def(function.graph.as_graph_def(), planner, function.graph)
+    captures = dict(zip([t.name for t in function.graph.internal_captures],
+                        function.captured_inputs))
+    inputs = [t.name for t in function.inputs if t.name not in captures]
+    outputs = [t.name for t in function.outputs]
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in function.inputs if t.name not in captures]
+
+    @tf.function(input_signature=specs, autograph=False)
+    def rewritten(*args):
+        input_map = dict(zip(inputs, args))
+        graph = tf.compat.v1.get_default_graph()
+        # The variables' handles become captures of the new function, as of the old one.
+        input_map.update({name: graph.capture(value) for name, value in captures.items()})
+        results = tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                                 return_elements=outputs, name="ucudnn")
+        return tf.nest.pack_sequence_as(function.structured_outputs, results,
+                                        expand_composites=True)
+
+    return rewritten, report
