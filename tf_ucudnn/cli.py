@@ -11,7 +11,6 @@ are measured first.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from tf_ucudnn import models, ops
+from tf_ucudnn import models
 from tf_ucudnn.graph.conv_layers import ConvLayer, find_conv_layers, trace_model
 from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, pareto_configurations
 from tf_ucudnn.optimization.network_ilp import (
@@ -33,11 +32,11 @@ from tf_ucudnn.optimization.network_ilp import (
 from tf_ucudnn.optimization.report import PlanReport, kernel_limit_report, network_report
 from tf_ucudnn.plan import KERNELS
 from tf_ucudnn.profiling import POLICIES, POWER_OF_TWO, ProfileDatabase
-from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
+from tf_ucudnn.planner import DEFAULT_DATABASE, PlannerError, resolve_machine
+from tf_ucudnn.profiling.profiler import Machine, profile
 
 PER_KERNEL = "per_kernel"
 MIB = 1 << 20
-DEFAULT_DATABASE = os.path.join(os.path.expanduser("~"), ".cache", "tf_ucudnn", "profiles.sqlite")
 
 
 class PlanError(RuntimeError):
@@ -46,21 +45,6 @@ class PlanError(RuntimeError):
 
 def _layer_label(layer: ConvLayer) -> str:
     return layer.name.removesuffix("/convolution").removesuffix("/Conv2D")
-
-
-def _machine(database: ProfileDatabase, device: Optional[str],
-             cudnn_version: Optional[int]) -> tuple[Machine, bool]:
-    """Whose measurements to plan with, and whether this process can measure on it."""
-    if device is None and ops.gpu_kernels_available() and tf.config.list_physical_devices("GPU"):
-        return current_machine(), True
-    known = collections.Counter((r.device, r.cudnn_version) for r in database.records())
-    matching = [m for m in known if (device is None or m[0] == device)
-                and (cudnn_version is None or m[1] == cudnn_version)]
-    if len(matching) != 1:
-        listing = ", ".join(f"{d!r} cuDNN {v}" for d, v in sorted(known)) or "none"
-        raise PlanError(f"cannot tell which machine's measurements to use (in the database: "
-                        f"{listing}); name one with --device and --cudnn-version")
-    return Machine(*matching[0]), False
 
 
 def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine: Machine, *,
@@ -152,7 +136,7 @@ def _plan_command(args) -> int:
     with ProfileDatabase(args.database) as database:
         for path in args.profiles:
             database.import_jsonl(path)
-        machine, can_measure = _machine(database, args.device, args.cudnn_version)
+        machine, can_measure = resolve_machine(database, args.device, args.cudnn_version)
         if can_measure:
             unique = {}
             for layer in layers:
@@ -213,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _plan_command(args)
-    except (PlanError, NoFeasiblePlanError, InfeasibleBudgetError, ValueError) as error:
+    except (PlanError, PlannerError, NoFeasiblePlanError, InfeasibleBudgetError, ValueError) as error:
         print(f"tf-ucudnn {args.command}: {error}", file=sys.stderr)
         return 2
 

@@ -1,12 +1,20 @@
-"""From a layer to its LayerPlan, using measured profiles: what `tf_ucudnn.rewrite` calls for each
-convolution it finds. Each kernel gets μ-cuDNN's dynamic program under the workspace limit; a
-layer whose three kernels would all run undivided gains nothing and keeps TensorFlow's own op.
+"""From a layer to its LayerPlan, using measured profiles: what `tf_ucudnn.rewrite`, the Keras
+callback and the SavedModel converter call for each convolution they find. Each kernel gets
+μ-cuDNN's dynamic program under the workspace limit; a layer whose three kernels would all run
+undivided gains nothing and keeps TensorFlow's own op.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import collections
+import os
+import re
+from typing import Iterable, Optional, Union
 
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+from tf_ucudnn import ops
 from tf_ucudnn.graph.conv_layers import ConvLayer
 from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.plan import KERNELS, LayerPlan
@@ -14,6 +22,42 @@ from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
 
 MIB = 1 << 20
+DEFAULT_DATABASE = os.path.join(os.path.expanduser("~"), ".cache", "tf_ucudnn", "profiles.sqlite")
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """64MiB, 1.5GiB, 512MB or a plain number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size: write e.g. 64MiB, 1GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class PlannerError(RuntimeError):
+    """Why no planner could be set up (no measurements to plan with), for the user to read."""
+
+
+def resolve_machine(database: ProfileDatabase, device: Optional[str] = None,
+                    cudnn_version: Optional[int] = None) -> tuple[Machine, bool]:
+    """Whose measurements to plan with, and whether this process can measure on it."""
+    if device is None and ops.gpu_kernels_available() and tf.config.list_physical_devices("GPU"):
+        return current_machine(), True
+    known = collections.Counter((r.device, r.cudnn_version) for r in database.records())
+    matching = [m for m in known if (device is None or m[0] == device)
+                and (cudnn_version is None or m[1] == cudnn_version)]
+    if len(matching) != 1:
+        listing = ", ".join(f"{d!r} cuDNN {v}" for d, v in sorted(known)) or "none"
+        raise PlannerError(f"cannot tell which machine's measurements to use (in the database "
+                           f"{database.path}: {listing}); on a machine without a GPU, import a "
+                           "profile file and name the device and cuDNN version")
+    return Machine(*matching[0]), False
 
 
 class DatabasePlanner:
@@ -21,13 +65,44 @@ class DatabasePlanner:
 
     def __init__(self, database: ProfileDatabase, workspace_limit_bytes: int, *,
                  machine: Optional[Machine] = None, measure: Optional[bool] = None,
-                 deterministic_only: bool = False, call_overhead_ms: float = 0.0):
+                 deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0):
         self.database = database
         self.workspace_limit_bytes = workspace_limit_bytes
         self.measure = machine is None if measure is None else measure
         self.machine = machine or current_machine()
-        self.deterministic_only = deterministic_only
+        self.deterministic_only = (tf_config.is_op_determinism_enabled()
+                                   if deterministic_only is None else deterministic_only)
         self.call_overhead_ms = call_overhead_ms
+
+    @classmethod
+    def open(cls, workspace_limit: Union[int, str], database: str = DEFAULT_DATABASE,
+             profiles: Iterable[str] = (), device: Optional[str] = None,
+             cudnn_version: Optional[int] = None, **options) -> "DatabasePlanner":
+        """A planner over the database file (created if new), with `profiles` imported into it.
+
+        On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
+        measurements of `device` (or of the only machine the database holds). Close it when done.
+        """
+        os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
+        db = ProfileDatabase(database)
+        try:
+            for path in profiles:
+                db.import_jsonl(path)
+            machine, can_measure = resolve_machine(db, device, cudnn_version)
+        except BaseException:
+            db.close()
+            raise
+        return cls(db, parse_bytes(workspace_limit), machine=machine, measure=can_measure,
+                   **options)
+
+    def close(self) -> None:
+        self.database.close()
+
+    def __enter__(self) -> "DatabasePlanner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __call__(self, layer: ConvLayer) -> Union[LayerPlan, str]:
         geometry = layer.cudnn_geometry()

@@ -1,0 +1,135 @@
+"""MicroBatchCallback: model.fit with micro-batched convolutions trains to the same weights."""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+from tf_ucudnn.callback import MicroBatchCallback
+from tf_ucudnn.plan import KernelPlan, LayerPlan
+
+
+class SplittingPlanner:
+    """Splits every kernel unevenly in two, and remembers the layers it was asked about."""
+
+    def __init__(self, extra: int = 0):
+        self.layers = []
+        self.extra = extra
+
+    def __call__(self, layer):
+        self.layers.append(layer)
+        batch = layer.batch_size
+        halves = KernelPlan.of((batch // 2, 0), (batch - batch // 2 + self.extra, 1))
+        return LayerPlan(halves, halves, halves)
+
+
+def _vgg_style():
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(16, 3, padding="same", activation="relu"),
+        layers.Conv2DTranspose(4, 3),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+
+
+def _resnet_style():
+    layers = keras.layers
+    inputs = keras.Input((12, 12, 3))
+    x = layers.Conv2D(8, 3, strides=2, padding="same")(inputs)
+    shortcut = x
+    x = layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.Conv2D(8, 1)(x)
+    x = layers.Add()([x, shortcut])
+    x = layers.Conv2D(16, 3, strides=2, padding="valid", dilation_rate=1)(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(4)(x))
+
+
+def _data(samples=40):
+    rng = np.random.RandomState(0)
+    return rng.rand(samples, 12, 12, 3).astype("float32"), np.arange(samples) % 4
+
+
+def _fit(build, callbacks, epochs=3, batch_size=16, validation=False):
+    keras.utils.set_random_seed(1)
+    model = build()
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False,
+                        callbacks=callbacks, validation_data=(x[:10], y[:10]) if validation
+                        else None)
+    return model, history.history
+
+
+@pytest.mark.parametrize("build", [_vgg_style, _resnet_style], ids=["vgg", "resnet"])
+def test_fit_with_the_callback_trains_to_the_same_weights(build):
+    plain, plain_history = _fit(build, [])
+    planner = SplittingPlanner()
+    callback = MicroBatchCallback(planner=planner, verbose=0)
+    planned, planned_history = _fit(build, [callback], validation=True)
+
+    convs = [layer for layer in planned.layers if type(layer) is keras.layers.Conv2D]
+    assert [item.layer.name for item in callback.report.layers] == [layer.path for layer in convs]
+    # Planned for the real batch (16), not the last partial one (40 = 16 + 16 + 8).
+    assert {layer.batch_size for layer in planner.layers} == {16}
+    np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_layers_left_alone_are_reported_with_the_reason():
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    _fit(_vgg_style, [callback], epochs=1)
+    (left,) = callback.report.left_alone
+    assert "conv2d_transpose" in left.node
+    assert "Conv2DTranspose is not a Keras Conv2D or Conv3D" in left.reason
+    assert "1 left as they are" in callback.summary()
+
+
+def test_a_layer_the_planner_declines_keeps_its_own_op_and_is_reported():
+    callback = MicroBatchCallback(planner=lambda layer: "no gain: a test's reason", verbose=0)
+    _fit(_vgg_style, [callback], epochs=1)
+    assert not callback.report.layers
+    reasons = {item.reason for item in callback.report.left_alone}
+    assert "no gain: a test's reason" in reasons
+
+
+def test_the_planned_ops_really_run():
+    # A plan one sample too long is refused by tf_ucudnn's op, naming it: the planned op ran.
+    callback = MicroBatchCallback(planner=SplittingPlanner(extra=1), verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="Ucudnn"):
+        _fit(_vgg_style, [callback], epochs=2)
+
+
+def _op_types(model):
+    graph = tf.function(model).get_concrete_function(tf.TensorSpec([16, 12, 12, 3])).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_after_training_the_model_is_plain_again():
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    model, _ = _fit(_vgg_style, [callback], epochs=1)
+    assert callback.report.layers
+    assert all("convolution_op" not in vars(layer) for layer in model.layers)
+    types = _op_types(model)
+    assert "Conv2D" in types and not any(t.startswith("Ucudnn") for t in types)
+
+
+def test_while_training_the_layers_run_tf_ucudnn_ops():
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen.update(types=_op_types(self.model))
+
+    _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0), Probe()],
+         epochs=1)
+    assert "UcudnnConv2D" in seen["types"]

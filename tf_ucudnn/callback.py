@@ -1,0 +1,214 @@
+"""The Keras callback: `model.fit(..., callbacks=[tf_ucudnn.MicroBatchCallback("64MiB")])`.
+
+Keras 3 traces `fit`'s train function with the batch dimension unknown, so the real batch size is
+first seen when a step runs. The callback therefore lets the first step run with TensorFlow's own
+convolutions while each convolution layer records the shape of its input; after that step it plans
+every layer for that shape, switches the layers' `convolution_op` to tf_ucudnn's ops carrying their
+plans, and has Keras build its train, test and predict functions again. An input of another shape
+(a last, partial batch) runs TensorFlow's own op. When training ends the layers get their own
+convolution back, so the model is plain again for whatever follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import keras
+import tensorflow as tf
+
+from tf_ucudnn import ops
+from tf_ucudnn.graph.conv_layers import (
+    ConvLayer,
+    UnsupportedConvolution,
+    check_keras_convolution,
+    keras_conv_layer,
+)
+from tf_ucudnn.graph.rewrite import LeftAlone, RewriteReport, RewrittenLayer
+from tf_ucudnn.plan import LayerPlan
+from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
+
+Planner = Callable[[ConvLayer], Union[LayerPlan, str]]
+
+_CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                      keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                      keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+                      keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
+                      keras.layers.SeparableConv2D)
+
+
+@dataclasses.dataclass
+class _PatchedLayer:
+    layer: keras.layers.Layer
+    observed_shape: tf.Variable  # the input shape of the layer's last call, written by the step
+    conv_layer: Optional[ConvLayer] = None
+    plan: Optional[LayerPlan] = None
+
+
+def _convolution_layers(model: keras.Model):
+    """Every convolution layer of the model, nested models included, each once."""
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+            if isinstance(layer, _CONVOLUTION_TYPES)]
+
+
+class MicroBatchCallback(keras.callbacks.Callback):
+    """Trains the model's Conv2D/Conv3D layers as micro-batched cuDNN convolutions.
+
+    Args:
+      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
+      planner: gives each layer its plan (or a reason to leave it alone); by default a
+        `DatabasePlanner` over `database`, which on a GPU measures what it lacks.
+      database: the profile database file of the default planner.
+      profiles: JSON-lines profile files the default planner imports first.
+      verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
+
+    After planning, `report` holds the plan of every layer and the layers left alone with why.
+    """
+
+    def __init__(self, workspace_limit: Union[int, str] = "64MiB", planner: Optional[Planner] = None,
+                 *, database: str = DEFAULT_DATABASE, profiles=(), verbose: int = 1):
+        super().__init__()
+        self.workspace_limit_bytes = parse_bytes(workspace_limit)
+        self._planner = planner
+        self._database = database
+        self._profiles = tuple(profiles)
+        self.verbose = verbose
+        self.report: Optional[RewriteReport] = None
+        self._patched: list[_PatchedLayer] = []
+        self._jit_compile = None
+
+    # Keras hooks.
+
+    def on_train_begin(self, logs=None):
+        self.report = None
+        self._patched = []
+        left_alone = []
+        for layer in _convolution_layers(self.model):
+            try:
+                check_keras_convolution(layer)
+            except UnsupportedConvolution as error:
+                left_alone.append(LeftAlone(layer.path, "", str(error).removeprefix(
+                    f"{layer.path}: ")))
+                continue
+            observed = tf.Variable(tf.zeros([layer.rank + 2], tf.int64), trainable=False,
+                                   name="ucudnn_observed_shape")
+            self._patched.append(_PatchedLayer(layer, observed))
+        self._left_alone_before_planning = left_alone
+        for patched in self._patched:
+            self._switch(patched.layer, self._recording_op(patched))
+        self._retrace()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.report is None and self._patched:
+            self._plan()
+            self._retrace()
+
+    def on_train_end(self, logs=None):
+        for patched in self._patched:
+            self._switch(patched.layer, None)
+        if self._jit_compile is not None:
+            self.model.jit_compile = self._jit_compile
+            self._jit_compile = None
+        self._patched = []
+        self._retrace()
+
+    # Planning.
+
+    def _plan(self) -> None:
+        report = RewriteReport(left_alone=list(self._left_alone_before_planning))
+        planner, closing = self._planner, None
+        if planner is None:
+            try:
+                planner = closing = DatabasePlanner.open(self.workspace_limit_bytes,
+                                                         self._database, self._profiles)
+            except Exception as error:  # no GPU and no measurements: say so, train as is
+                planner = _leave_alone_because(f"no planner: {error}")
+        try:
+            for patched in self._patched:
+                shape = patched.observed_shape.numpy().tolist()
+                if not all(shape):
+                    report.left_alone.append(LeftAlone(
+                        patched.layer.path, "", "not called by the first training step"))
+                    continue
+                patched.conv_layer = keras_conv_layer(
+                    patched.layer, shape, patched.layer.compute_dtype)
+                plan = planner(patched.conv_layer)
+                if isinstance(plan, str):
+                    report.left_alone.append(LeftAlone(patched.layer.path, "", plan))
+                    continue
+                patched.plan = plan
+                report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
+        finally:
+            if closing is not None:
+                closing.close()
+        for patched in self._patched:
+            self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
+        if report.layers and self.model.jit_compile:
+            # XLA cannot compile tf_ucudnn's ops; the model's own setting comes back at the end.
+            self._jit_compile = self.model.jit_compile
+            self.model.jit_compile = False
+        self.report = report
+        if self.verbose:
+            print(self.summary(), flush=True)
+
+    def summary(self) -> str:
+        if self.report is None:
+            return "tf_ucudnn: no plans yet (they are made after the first training step)"
+        lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched "
+                 f"within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel, "
+                 f"{len(self.report.left_alone)} left as they are"
+                 + ("; XLA compilation turned off while they train" if self._jit_compile else "")]
+        lines += self.report.to_text().splitlines()[1:]
+        return "\n".join(lines)
+
+    # Switching a layer's convolution.
+
+    @staticmethod
+    def _switch(layer, convolution_op) -> None:
+        # An instance attribute shadows the class's method; deleting it restores the method.
+        if convolution_op is None:
+            layer.__dict__.pop("convolution_op", None)
+        else:
+            layer.__dict__["convolution_op"] = convolution_op
+
+    @staticmethod
+    def _recording_op(patched: _PatchedLayer):
+        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+
+        def convolution_op(inputs, kernel):
+            record = patched.observed_shape.assign(tf.shape(inputs, out_type=tf.int64))
+            with tf.control_dependencies([record]):
+                return own_op(inputs, kernel)
+        return convolution_op
+
+    @staticmethod
+    def _planned_op(patched: _PatchedLayer):
+        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+        layer, plan = patched.conv_layer, patched.plan
+        planned_shape = tf.constant(layer.input_shape, tf.int64)
+        conv = ops.conv2d if layer.num_spatial_dims == 2 else ops.conv3d
+
+        def convolution_op(inputs, kernel):
+            def planned():
+                return conv(inputs, kernel,
+                            strides=list(layer.strides), padding=layer.padding,
+                            data_format=layer.data_format, dilations=list(layer.dilations),
+                            plan=plan)
+
+            if inputs.shape.is_fully_defined():
+                return planned() if tuple(inputs.shape) == layer.input_shape else \
+                    own_op(inputs, kernel)
+            same_shape = tf.reduce_all(tf.equal(tf.shape(inputs, out_type=tf.int64),
+                                                planned_shape))
+            return tf.cond(same_shape, planned, lambda: own_op(inputs, kernel))
+        return convolution_op
+
+    def _retrace(self) -> None:
+        self.model.train_function = None
+        self.model.make_train_function()
+        self.model.test_function = None
+        self.model.predict_function = None
+
+
+def _leave_alone_because(reason: str) -> Planner:
+    return lambda layer: reason
