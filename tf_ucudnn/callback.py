@@ -96,6 +96,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._left_alone_before_planning = left_alone
         for patched in self._patched:
             self._switch(patched.layer, self._recording_op(patched))
+        if self._patched and self.model.jit_compile:
+            # XLA cannot compile tf_ucudnn's ops, so it is off from the first step on (sparing a
+            # compilation for one step); the model's own setting comes back at the end.
+            self._jit_compile = self.model.jit_compile
+            self.model.jit_compile = False
         self._retrace()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -143,10 +148,6 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 closing.close()
         for patched in self._patched:
             self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
-        if report.layers and self.model.jit_compile:
-            # XLA cannot compile tf_ucudnn's ops; the model's own setting comes back at the end.
-            self._jit_compile = self.model.jit_compile
-            self.model.jit_compile = False
         self.report = report
         if self.verbose:
             print(self.summary(), flush=True)

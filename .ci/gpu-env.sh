@@ -1,0 +1,15 @@
+# Sourced on a lent GPU machine after TensorFlow was carried there (../shared/gpu/README.md):
+# the test wheels from .whl/, TensorFlow's environment, this checkout on PYTHONPATH, and the op
+# library built with its cuDNN kernels for Hopper (sm_90) unless TF_UCUDNN_CUDA_ARCHS says other.
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -f /tmp/tfstage/tools/tf-gpu-env.sh ] && . /tmp/tfstage/tools/tf-gpu-env.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ! ls tf_ucudnn/_ucudnn_ops*.so >/dev/null 2>&1 || [ -n "${TF_UCUDNN_REBUILD:-}" ]; then
+  TF_UCUDNN_CUDA_ARCHS=${TF_UCUDNN_CUDA_ARCHS:-90} python3 setup.py -q build_ext --inplace 2>&1 \
+    | tee "$out/build.log"
+fi
