@@ -29,10 +29,17 @@ def alexnet_layers():
     return layers
 
 
-def test_micro_batches_where_they_pay_and_no_gain_elsewhere(database, alexnet_layers):
+def test_micro_batches_where_they_pay_and_the_best_algorithm_elsewhere(database,
+                                                                      alexnet_layers):
     planner = DatabasePlanner(database, 64 * MIB, machine=H100)
     conv1, conv2 = alexnet_layers[0], alexnet_layers[1]
-    assert planner(conv1).startswith("no gain")  # every kernel of conv1 is best undivided
+    undivided = planner(conv1)  # every kernel of conv1 is best undivided, with a named algorithm
+    assert [plan.sizes for plan in (undivided.forward, undivided.backprop_input,
+                                    undivided.backprop_filter)] == [(256,)] * 3
+    assert all(plan.micro_batches[0].algorithm.algo is not None
+               for plan in (undivided.forward, undivided.backprop_input, undivided.backprop_filter))
+    assert DatabasePlanner(database, 64 * MIB, machine=H100,
+                           leave_undivided_to_tensorflow=True)(conv1).startswith("no gain")
     plan = planner(conv2)
     assert [mb.size for mb in plan.forward.micro_batches] == [32] * 8
     assert {mb.algorithm.algo for mb in plan.forward.micro_batches} == {1}
@@ -48,6 +55,7 @@ def test_rewrite_with_the_planner(database):
     model = models.alexnet("channels_first")
     concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(
         tf.TensorSpec([256, 3, 227, 227]))
-    _, report = rewrite(concrete, DatabasePlanner(database, 64 * MIB, machine=H100))
+    _, report = rewrite(concrete, DatabasePlanner(database, 64 * MIB, machine=H100,
+                                                  leave_undivided_to_tensorflow=True))
     assert len(report.layers) == 4
     assert len(report.left_alone) == 1 and report.left_alone[0].reason.startswith("no gain")

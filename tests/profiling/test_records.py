@@ -1,5 +1,6 @@
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,15 @@ def test_reads_gzipped_files(tmp_path):
     with gzip.open(shared, "rt") as source:
         plain.write_text(source.read())
     assert read_jsonl(plain) == records
+
+
+def test_writes_gzipped_files_when_the_name_says_so(tmp_path):
+    import gzip
+    from tf_ucudnn.profiling.records import read_jsonl, write_jsonl
+    records = read_jsonl(Path(__file__).parents[2] / "benchmarks" / "results"
+                         / "h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz")
+    assert {r.geometry.layout for r in records} == {"NHWC"}
+    assert write_jsonl(tmp_path / "copy.jsonl.gz", records) == len(records)
+    with gzip.open(tmp_path / "copy.jsonl.gz", "rt") as compressed:
+        assert compressed.readline().startswith("{")
+    assert read_jsonl(tmp_path / "copy.jsonl.gz") == records

@@ -211,8 +211,7 @@ def read_jsonl(path: PathLike, device: Optional[str] = None,
     """Reads a JSON-lines profile file (gzipped if its name ends in .gz); a bad line raises
     ValueError naming the file and line."""
     records = []
-    opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as lines:
+    with _opener(path)(path, "rt", encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -225,10 +224,14 @@ def read_jsonl(path: PathLike, device: Optional[str] = None,
     return records
 
 
+def _opener(path: PathLike):
+    return gzip.open if os.fspath(path).endswith(".gz") else open
+
+
 def write_jsonl(path: PathLike, records: Iterable[ProfileRecord]) -> int:
-    """Writes records one JSON object a line; returns how many."""
+    """Writes records one JSON object a line (gzipped if the name ends in .gz); returns how many."""
     count = 0
-    with open(path, "w", encoding="utf-8") as out:
+    with _opener(path)(path, "wt", encoding="utf-8") as out:
         for record in records:
             out.write(json.dumps(record.to_json()) + "\n")
             count += 1
