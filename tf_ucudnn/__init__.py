@@ -15,12 +15,13 @@ from tf_ucudnn.ops import (
     gpu_kernels_available,
 )
 from tf_ucudnn.callback import MicroBatchCallback
+from tf_ucudnn.converter import ConversionError, Converter
 from tf_ucudnn.graph.rewrite import RewriteReport, rewrite
 from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.planner import DatabasePlanner
 
 __all__ = [
-    "Algorithm", "DatabasePlanner", "KernelPlan", "LayerPlan", "MicroBatch", "MicroBatchCallback",
+    "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KernelPlan", "LayerPlan", "MicroBatch", "MicroBatchCallback",
     "RewriteReport",
     "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
     "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",

@@ -3,9 +3,13 @@
     tf-ucudnn plan MODEL --batch 256 [--workspace-limit-mib 64 | --budget-mib N --mode MODE]
 
 prints, per layer and kernel, the micro-batches and algorithms chosen, their predicted time and
-workspace, against the best undivided algorithm under the same limit. Measurements come from the
-profile database (and any --profiles JSON-lines files imported into it); on a GPU the missing ones
-are measured first.
+workspace, against the best undivided algorithm under the same limit.
+
+    tf-ucudnn convert IN_DIR OUT_DIR --batch-size 128 --workspace-limit 64MiB
+
+converts a SavedModel (see `tf_ucudnn.Converter`). Measurements come from the profile database
+(and any --profiles JSON-lines files imported into it); on a GPU the missing ones are measured
+first.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
 from tf_ucudnn import models
+from tf_ucudnn.converter import ConversionError, Converter
 from tf_ucudnn.graph.conv_layers import ConvLayer, find_conv_layers, trace_model
 from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, pareto_configurations
 from tf_ucudnn.optimization.network_ilp import (
@@ -164,6 +169,25 @@ def _plan_command(args) -> int:
     return 0
 
 
+def _convert_command(args) -> int:
+    converter = Converter(args.input_dir, batch_size=args.batch_size,
+                          workspace_limit=args.workspace_limit, signature_keys=args.signatures,
+                          database=args.database, profiles=args.profiles, device=args.device,
+                          cudnn_version=args.cudnn_version)
+    converter.convert()
+    converter.save(args.output_dir, overwrite=args.overwrite)
+    print(converter.summary())
+    print(f"saved {args.output_dir}")
+    return 0
+
+
+def _add_database_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database", default=DEFAULT_DATABASE)
+    parser.add_argument("--profiles", nargs="*", default=[], help="JSON-lines files to import")
+    parser.add_argument("--device", help="plan with this device's measurements")
+    parser.add_argument("--cudnn-version", type=int)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tf-ucudnn", description="micro-batched cuDNN for "
                                      "TensorFlow")
@@ -185,19 +209,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="deterministic algorithms only (implied by TF's op determinism)")
     plan.add_argument("--call-overhead-us", type=float, default=0.0,
                       help="host time of one micro-batch's call, added to cuDNN's timings")
-    plan.add_argument("--database", default=DEFAULT_DATABASE)
-    plan.add_argument("--profiles", nargs="*", default=[], help="JSON-lines files to import")
-    plan.add_argument("--device", help="plan with this device's measurements")
-    plan.add_argument("--cudnn-version", type=int)
+    _add_database_arguments(plan)
     plan.add_argument("--json", help="also write the report here as JSON")
+
+    convert = commands.add_parser("convert", help="convert a SavedModel's convolutions")
+    convert.add_argument("input_dir")
+    convert.add_argument("output_dir")
+    convert.add_argument("--batch-size", type=int, required=True)
+    convert.add_argument("--workspace-limit", default="64MiB",
+                         help="per kernel, e.g. 64MiB, 1GiB (default 64MiB)")
+    convert.add_argument("--signatures", nargs="*", help="signature keys to convert (default all)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace OUTPUT_DIR if it exists")
+    _add_database_arguments(convert)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    command = {"plan": _plan_command, "convert": _convert_command}[args.command]
     try:
-        return _plan_command(args)
-    except (PlanError, PlannerError, NoFeasiblePlanError, InfeasibleBudgetError, ValueError) as error:
+        return command(args)
+    except (PlanError, PlannerError, ConversionError, NoFeasiblePlanError, InfeasibleBudgetError,
+            ValueError) as error:
         print(f"tf-ucudnn {args.command}: {error}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
-from tensorflow.python.framework import function_def_to_graph
+from tensorflow.python.framework import convert_to_constants, function_def_to_graph
 
 from tf_ucudnn.graph.conv_layers import ConvLayer, UnsupportedConvolution, conv_layer_of
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
@@ -175,25 +175,40 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
     return rewritten, report
 
 
-def rewrite(target, planner: Planner):
+def rewrite(target, planner: Planner, *, inline_functions: bool = False):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
-    inputs, outputs and captured variables, running the rewritten graph.
+    inputs, outputs and captured variables, running the rewritten graph. With `inline_functions`,
+    a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
+    calls) are inlined first, so that their convolutions get the caller's fully known shapes.
     """
     if isinstance(target, graph_pb2.GraphDef):
         return rewrite_graph_def(target, planner)
     if isinstance(target, tf.Graph):
         return rewrite_graph_def(target.as_graph_def(), planner, target)
     if hasattr(target, "graph") and hasattr(target, "captured_inputs"):
-        return _rewrite_concrete_function(target, planner)
+        if inline_functions:
+            target = inline_function_calls(target).get_concrete_function()
+        graph_def, report = rewrite_graph_def(target.graph.as_graph_def(), planner, target.graph)
+        return _callable_over(graph_def, target), report
     raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
                     f"{type(target).__name__} (for a tf.function, pass "
                     "fn.get_concrete_function(...))")
 
 
-def _rewrite_concrete_function(function, planner: Planner):
-    graph_def, report = rewrite_graph_def(function.graph.as_graph_def(), planner, function.graph)
+def inline_function_calls(function):
+    """The ConcreteFunction's graph with every function call inlined, as a tf.function.
+
+    Uses Grappler's function optimizer, as TF-TRT's converter does before it rewrites.
+    """
+    graph_def = convert_to_constants._run_inline_graph_optimization(  # noqa: SLF001
+        function, lower_control_flow=False, aggressive_inlining=True)
+    return _callable_over(graph_def, function)
+
+
+def _callable_over(graph_def: graph_pb2.GraphDef, function):
+    """A tf.function running `graph_def`, whose placeholders are `function`'s inputs."""
     captures = dict(zip([t.name for t in function.graph.internal_captures],
                         function.captured_inputs))
     inputs = [t.name for t in function.inputs if t.name not in captures]
@@ -211,4 +226,4 @@ def _rewrite_concrete_function(function, planner: Planner):
         return tf.nest.pack_sequence_as(function.structured_outputs, results,
                                         expand_composites=True)
 
-    return rewritten, report
+    return rewritten

@@ -1,0 +1,163 @@
+"""Converter: SavedModels converted to tf_ucudnn ops serve the same signatures and outputs."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
+
+from tf_ucudnn.converter import ConversionError, Converter
+from tf_ucudnn.plan import KernelPlan, LayerPlan
+
+BATCH = 6
+
+
+def split_in_two(layer):
+    batch = layer.batch_size
+    halves = KernelPlan.of((batch // 2, 0), (batch - batch // 2, 1))
+    return LayerPlan(halves, halves, halves)
+
+
+def conv_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
+    shortcut = x
+    x = keras.layers.Conv2D(8, 3, padding="same")(x)
+    x = keras.layers.Add()([x, shortcut])
+    x = keras.layers.Conv2D(4, 3, strides=2)(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("models") / "conv")
+    model = conv_model()
+    model.export(path, verbose=0)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def converted(saved_model, tmp_path_factory):
+    path, model = saved_model
+    converter = Converter(path, batch_size=BATCH, planner=split_in_two)
+    converter.convert()
+    out = str(tmp_path_factory.mktemp("converted") / "conv_ucudnn")
+    converter.save(out)
+    return converter, out, model
+
+
+def _saved_op_types(path):
+    meta = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as file:
+        meta.ParseFromString(file.read())
+    graph = meta.meta_graphs[0].graph_def
+    return {node.op for node in graph.node} | {
+        node.op for function in graph.library.function for node in function.node_def}
+
+
+def test_converted_model_serves_the_same_signatures_and_outputs(converted):
+    converter, out, model = converted
+    loaded = tf.saved_model.load(out)
+    assert set(loaded.signatures) == {"serve", "serving_default"}
+    rng = np.random.RandomState(1)
+    for batch in (BATCH, 3):  # the planned batch, and another that runs the original graph
+        x = rng.rand(batch, 12, 12, 3).astype("float32")
+        for key, signature in loaded.signatures.items():
+            assert signature.structured_outputs["output_0"].shape.as_list() == [None, 2]
+            (name,) = signature.structured_input_signature[1]
+            (output,) = signature(**{name: tf.constant(x)}).values()
+            np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_converted_model_holds_tf_ucudnn_ops_with_the_plans(converted):
+    converter, out, _ = converted
+    types = _saved_op_types(out)
+    assert "UcudnnConv2D" in types and "Conv2D" in types  # Conv2D: the other batch sizes
+    for report in converter.reports.values():
+        assert len(report.layers) == 3 and not report.left_alone
+        assert all(item.plan.forward.sizes == (3, 3) for item in report.layers)
+    assert "3 layer(s) rewritten" in converter.summary()
+
+
+def test_variables_are_shared_not_copied(saved_model, converted):
+    path, _ = saved_model
+    _, out, _ = converted
+
+    def variable_bytes(root):
+        folder = os.path.join(root, "variables")
+        return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+
+    assert variable_bytes(out) < 1.5 * variable_bytes(path)
+
+
+def test_missing_input_is_named_and_nothing_is_written(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match="no SavedModel at .*no such directory"):
+        Converter(str(tmp_path / "absent"), batch_size=BATCH, planner=split_in_two).convert()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConversionError, match="holds no saved_model.pb"):
+        Converter(str(empty), batch_size=BATCH, planner=split_in_two).convert()
+    assert not out.exists()
+
+
+def test_corrupt_saved_model_gets_a_clear_error(tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "saved_model.pb").write_bytes(b"\x08\x01garbage, not a protocol buffer\xff\xfe")
+    with pytest.raises(ConversionError, match="cannot load the SavedModel at"):
+        Converter(str(corrupt), batch_size=BATCH, planner=split_in_two).convert()
+
+
+def test_model_without_convolutions_is_refused(tmp_path):
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    model.export(str(tmp_path / "dense"), verbose=0)
+    converter = Converter(str(tmp_path / "dense"), batch_size=BATCH, planner=split_in_two)
+    with pytest.raises(ConversionError, match="has no Conv2D or Conv3D"):
+        converter.convert()
+    with pytest.raises(ConversionError, match="nothing to save"):
+        converter.save(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_plannable_convolution_is_refused_with_the_reasons(saved_model):
+    path, _ = saved_model
+    converter = Converter(path, batch_size=BATCH, planner=lambda layer: "no profile, for a test")
+    with pytest.raises(ConversionError, match="could be planned, e.g. .*no profile, for a test"):
+        converter.convert()
+
+
+def test_unknown_signature_is_named(saved_model):
+    path, _ = saved_model
+    with pytest.raises(ConversionError, match="no signature named \\['predict'\\]"):
+        Converter(path, batch_size=BATCH, planner=split_in_two,
+                  signature_keys=["predict"]).convert()
+
+
+def test_an_existing_output_is_kept_unless_overwrite(converted, tmp_path):
+    converter, _, _ = converted
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="exists and is not empty"):
+        converter.save(str(out))
+    assert (out / "keep.txt").read_text() == "mine"
+    converter.save(str(out), overwrite=True)
+    assert (out / "saved_model.pb").exists() and not (out / "keep.txt").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".ucudnn-")]
+
+
+def test_a_failed_save_leaves_no_partial_output(converted, tmp_path, monkeypatch):
+    converter, _, _ = converted
+
+    def broken_save(*args, **kwargs):
+        os.makedirs(os.path.join(args[1], "variables"))
+        raise OSError("disk full, for a test")
+
+    monkeypatch.setattr(tf.saved_model, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        converter.save(str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
