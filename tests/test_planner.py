@@ -1,11 +1,14 @@
 """planner: layers planned from measured profiles, as the rewrite pass uses them."""
 
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
 from tf_ucudnn import models
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.graph.rewrite import rewrite
+from tf_ucudnn.plan import KERNELS
 from tf_ucudnn.planner import DatabasePlanner
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine
@@ -59,3 +62,44 @@ def test_rewrite_with_the_planner(database):
                                                   leave_undivided_to_tensorflow=True))
     assert len(report.layers) == 4
     assert len(report.left_alone) == 1 and report.left_alone[0].reason.startswith("no gain")
+
+
+def _workspace(database, layer, kernel, plan):
+    timings = database.timings(H100.device, H100.cudnn_version, layer.cudnn_geometry(), kernel)
+    return max(next(t.workspace_bytes for t in timings[mb.size]
+                    if t.algo == mb.algorithm.algo and t.math == mb.algorithm.math)
+               for mb in plan.micro_batches)
+
+
+@pytest.mark.parametrize("budget_mib", [0, 100, 400])
+def test_a_memory_budget_bounds_all_workspaces_together(database, alexnet_layers, budget_mib):
+    planner = DatabasePlanner(database, None, machine=H100, memory_budget_bytes=budget_mib * MIB)
+    planner.prepare(alexnet_layers)
+    plans = {layer: planner(layer) for layer in alexnet_layers}
+    total = sum(_workspace(database, layer, kernel, plan.kernel(kernel))
+                for layer, plan in plans.items() for kernel in KERNELS)
+    assert total <= budget_mib * MIB
+    divided = sum(len(plan.kernel(kernel).micro_batches) > 1
+                  for plan in plans.values() for kernel in KERNELS)
+    if budget_mib == 0:
+        assert total == 0
+    else:  # the budget buys micro-batched configurations
+        assert total > 0.5 * budget_mib * MIB and divided > 0
+    elsewhere = dataclasses.replace(alexnet_layers[0], name="elsewhere")
+    assert planner(elsewhere).startswith("not among")
+
+
+def test_rewrite_builds_its_own_planner_from_a_database(profiles_dir, tmp_path):
+    model = models.alexnet("channels_first")
+    concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+        tf.TensorSpec([256, 3, 227, 227]))
+    _, report = rewrite(concrete, workspace_limit="64MiB", database=str(tmp_path / "db.sqlite"),
+                        profiles=[str(profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl")])
+    assert len(report.layers) == 5 and not report.left_alone
+    conv2 = report.layers[1].plan
+    assert conv2.forward.sizes == (32,) * 8
+    _, budget_report = rewrite(concrete, memory_budget="256MiB",
+                               database=str(tmp_path / "db.sqlite"))
+    assert len(budget_report.layers) == 5
+    with pytest.raises(ValueError, match="for the default planner"):
+        rewrite(concrete, lambda layer: "x", workspace_limit="64MiB")

@@ -2,6 +2,10 @@
 callback and the SavedModel converter call for each convolution they find. Each kernel gets
 μ-cuDNN's dynamic program under the workspace limit.
 
+With a memory budget, `prepare` first plans all layers of a graph together: μ-cuDNN's integer
+linear program picks one (time, workspace) Pareto configuration per kernel so that the workspaces
+together fit the budget (the shared-workspace mode), and each layer then gets its share.
+
 A layer whose three kernels run best undivided still gets tf_ucudnn's op by default, with the
 measured best algorithm: TensorFlow's own choice under the same limit can be far slower (on an H100
 in NHWC float32 at 64 MiB, Keras VGG16 trains at 277 img/s with TensorFlow's choices, while the
@@ -21,7 +25,12 @@ from tensorflow.python.framework import config as tf_config
 
 from tf_ucudnn import ops
 from tf_ucudnn.graph.conv_layers import ConvLayer
-from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, fastest_configuration
+from tf_ucudnn.optimization.kernel_dp import (
+    NoFeasiblePlanError,
+    fastest_configuration,
+    pareto_configurations,
+)
+from tf_ucudnn.optimization.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
 from tf_ucudnn.plan import KERNELS, LayerPlan
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
@@ -66,9 +75,14 @@ def resolve_machine(database: ProfileDatabase, device: Optional[str] = None,
 
 
 class DatabasePlanner:
-    """Plans layers from a profile database, measuring missing geometries when it can."""
+    """Plans layers from a profile database, measuring missing geometries when it can.
 
-    def __init__(self, database: ProfileDatabase, workspace_limit_bytes: int, *,
+    `workspace_limit_bytes` bounds each kernel's workspace (None: no bound);
+    `memory_budget_bytes` bounds their sum over the layers given to `prepare`.
+    """
+
+    def __init__(self, database: ProfileDatabase, workspace_limit_bytes: Optional[int], *,
+                 memory_budget_bytes: Optional[int] = None,
                  machine: Optional[Machine] = None, measure: Optional[bool] = None,
                  deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0,
                  leave_undivided_to_tensorflow: bool = False):
@@ -80,11 +94,16 @@ class DatabasePlanner:
                                    if deterministic_only is None else deterministic_only)
         self.call_overhead_ms = call_overhead_ms
         self.leave_undivided_to_tensorflow = leave_undivided_to_tensorflow
+        if workspace_limit_bytes is None and memory_budget_bytes is None:
+            raise ValueError("give a workspace limit per kernel, a memory budget, or both")
+        self.memory_budget_bytes = memory_budget_bytes
+        self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
 
     @classmethod
-    def open(cls, workspace_limit: Union[int, str], database: str = DEFAULT_DATABASE,
-             profiles: Iterable[str] = (), device: Optional[str] = None,
-             cudnn_version: Optional[int] = None, **options) -> "DatabasePlanner":
+    def open(cls, workspace_limit: Union[int, str, None] = None,
+             database: str = DEFAULT_DATABASE, profiles: Iterable[str] = (),
+             device: Optional[str] = None, cudnn_version: Optional[int] = None,
+             memory_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
         """A planner over the database file (created if new), with `profiles` imported into it.
 
         On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
@@ -99,8 +118,9 @@ class DatabasePlanner:
         except BaseException:
             db.close()
             raise
-        return cls(db, parse_bytes(workspace_limit), machine=machine, measure=can_measure,
-                   **options)
+        return cls(db, None if workspace_limit is None else parse_bytes(workspace_limit),
+                   memory_budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
+                   machine=machine, measure=can_measure, **options)
 
     def close(self) -> None:
         self.database.close()
@@ -111,26 +131,84 @@ class DatabasePlanner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __call__(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+    def _timings(self, layer: ConvLayer) -> Union[dict, str]:
+        """kernel -> timing table of the layer, or why there is none."""
         geometry = layer.cudnn_geometry()
         if self.measure:
             profile([(geometry, layer.name)], layer.batch_size, self.database, progress=False)
-        plans = []
+        tables = {}
         for kernel in KERNELS:
-            timings = self.database.timings(self.machine.device, self.machine.cudnn_version,
-                                            geometry, kernel)
-            if layer.batch_size not in timings:
+            tables[kernel] = self.database.timings(self.machine.device,
+                                                   self.machine.cudnn_version, geometry, kernel)
+            if layer.batch_size not in tables[kernel]:
                 return (f"no profile of its {kernel} kernel at batch {layer.batch_size} on "
                         f"{self.machine.device} (cuDNN {self.machine.cudnn_version})")
+        return tables
+
+    def prepare(self, layers: Iterable[ConvLayer]) -> None:
+        """With a memory budget, plans `layers` together (the rewrite pass calls this first).
+
+        Raises InfeasibleBudgetError, saying by how much, when the budget cannot be met.
+        """
+        if self.memory_budget_bytes is None:
+            return
+        self._network_plans = {}
+        planned, options = [], []
+        for layer in dict.fromkeys(layers):
+            tables = self._timings(layer)
+            if isinstance(tables, str):
+                self._network_plans[layer] = tables
+                continue
+            try:
+                fronts = [self._front(kernel, tables[kernel], layer.batch_size)
+                          for kernel in KERNELS]
+            except NoFeasiblePlanError as error:
+                self._network_plans[layer] = f"no plan within the workspace limit: {error}"
+                continue
+            options += [KernelOptions(str(len(planned)), kernel, front)
+                        for kernel, front in zip(KERNELS, fronts)]
+            planned.append(layer)
+        if not planned:
+            return
+        plans = optimize_network(options, self.memory_budget_bytes, SHARED_WORKSPACE).layer_plans()
+        for index, layer in enumerate(planned):
+            self._network_plans[layer] = plans[str(index)]
+
+    def _front(self, kernel, timings, batch_size):
+        front = pareto_configurations(kernel, timings, batch_size,
+                                      deterministic_only=self.deterministic_only,
+                                      call_overhead_ms=self.call_overhead_ms)
+        if self.workspace_limit_bytes is not None:
+            front = tuple(c for c in front if c.workspace_bytes <= self.workspace_limit_bytes)
+            if not front:
+                raise NoFeasiblePlanError(f"{kernel}: every configuration needs more than "
+                                          f"{self.workspace_limit_bytes} bytes")
+        return front
+
+    def __call__(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+        if self.memory_budget_bytes is not None:
+            if layer not in self._network_plans:
+                return "not among the layers planned together under the memory budget"
+            plan = self._network_plans[layer]
+        else:
+            plan = self._plan_alone(layer)
+        if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
+                len(kernel_plan.micro_batches) == 1 for kernel_plan in
+                (plan.forward, plan.backprop_input, plan.backprop_filter)):
+            return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
+        return plan
+
+    def _plan_alone(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+        tables = self._timings(layer)
+        if isinstance(tables, str):
+            return tables
+        plans = []
+        for kernel in KERNELS:
             try:
                 plans.append(fastest_configuration(
-                    kernel, timings, layer.batch_size, self.workspace_limit_bytes,
+                    kernel, tables[kernel], layer.batch_size, self.workspace_limit_bytes,
                     deterministic_only=self.deterministic_only,
                     call_overhead_ms=self.call_overhead_ms).plan)
             except NoFeasiblePlanError as error:
                 return f"no plan within the workspace limit: {error}"
-        if self.leave_undivided_to_tensorflow and all(len(plan.micro_batches) == 1
-                                                      for plan in plans):
-            return (f"no gain: within {self.workspace_limit_bytes / MIB:g} MiB every kernel runs "
-                    "best undivided, as TensorFlow's own op does")
         return LayerPlan(*plans)

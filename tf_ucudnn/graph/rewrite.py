@@ -17,7 +17,12 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import convert_to_constants, function_def_to_graph
 
-from tf_ucudnn.graph.conv_layers import ConvLayer, UnsupportedConvolution, conv_layer_of
+from tf_ucudnn.graph.conv_layers import (
+    ConvLayer,
+    UnsupportedConvolution,
+    conv_layer_of,
+    find_conv_layers,
+)
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
@@ -160,7 +165,7 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
         graph = tf.Graph()
         with graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
-    _rewrite_nodes(graph, rewritten.node, "", planner, report)
+    scopes = [("", graph, rewritten.node)]
     for function in rewritten.library.function:
         try:
             body = function_def_to_graph.function_def_to_graph(function)
@@ -171,18 +176,37 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
                         node.name, function.signature.name,
                         f"its function could not be rebuilt to read shapes: {error}"))
             continue
-        _rewrite_nodes(body, function.node_def, function.signature.name, planner, report)
+        scopes.append((function.signature.name, body, function.node_def))
+    prepare = getattr(planner, "prepare", None)
+    if prepare is not None:  # a planner for the whole network sees every layer first
+        prepare([layer for _, body, _ in scopes for layer in find_conv_layers(body)[0]])
+    for scope, body, node_defs in scopes:
+        _rewrite_nodes(body, node_defs, scope, planner, report)
     return rewritten, report
 
 
-def rewrite(target, planner: Planner, *, inline_functions: bool = False):
+def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit=None,
+            memory_budget=None, inline_functions: bool = False, **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
     inputs, outputs and captured variables, running the rewritten graph. With `inline_functions`,
     a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
     calls) are inlined first, so that their convolutions get the caller's fully known shapes.
+
+    Plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason), or else from
+    a `DatabasePlanner` for `workspace_limit` per kernel (bytes, or a size such as "64MiB") and/or
+    a `memory_budget` shared by all kernels; `planner_options` go to `DatabasePlanner.open`.
     """
+    if planner is None:
+        from tf_ucudnn.planner import DatabasePlanner  # the planner imports this package
+
+        with DatabasePlanner.open(workspace_limit, memory_budget=memory_budget,
+                                  **planner_options) as default_planner:
+            return rewrite(target, default_planner, inline_functions=inline_functions)
+    if workspace_limit is not None or memory_budget is not None or planner_options:
+        raise ValueError("workspace_limit, memory_budget and planner options are for the "
+                         "default planner; a given planner has its own")
     if isinstance(target, graph_pb2.GraphDef):
         return rewrite_graph_def(target, planner)
     if isinstance(target, tf.Graph):
