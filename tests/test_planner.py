@@ -72,8 +72,8 @@ def _workspace(database, layer, kernel, plan):
 
 
 @pytest.mark.parametrize("budget_mib", [0, 100, 400])
-def test_a_memory_budget_bounds_all_workspaces_together(database, alexnet_layers, budget_mib):
-    planner = DatabasePlanner(database, None, machine=H100, memory_budget_bytes=budget_mib * MIB)
+def test_a_workspace_budget_bounds_all_workspaces_together(database, alexnet_layers, budget_mib):
+    planner = DatabasePlanner(database, None, machine=H100, workspace_budget_bytes=budget_mib * MIB)
     planner.prepare(alexnet_layers)
     plans = {layer: planner(layer) for layer in alexnet_layers}
     total = sum(_workspace(database, layer, kernel, plan.kernel(kernel))
@@ -98,7 +98,7 @@ def test_rewrite_builds_its_own_planner_from_a_database(profiles_dir, tmp_path):
     assert len(report.layers) == 5 and not report.left_alone
     conv2 = report.layers[1].plan
     assert conv2.forward.sizes == (32,) * 8
-    _, budget_report = rewrite(concrete, memory_budget="256MiB",
+    _, budget_report = rewrite(concrete, workspace_budget="256MiB",
                                database=str(tmp_path / "db.sqlite"))
     assert len(budget_report.layers) == 5
     with pytest.raises(ValueError, match="for the default planner"):

@@ -40,7 +40,7 @@ class Converter:
       input_saved_model_dir: the SavedModel to convert.
       batch_size: the batch size to plan for.
       workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
-      memory_budget: optionally, a bound on all kernels' workspaces together (planned by the
+      workspace_budget: optionally, a bound on all kernels' workspaces together (planned by the
         network-wide ILP).
       planner: gives each layer its plan or a reason to leave it alone; by default a
         `DatabasePlanner` over `database` (measuring on a GPU, else planning from `profiles`
@@ -50,7 +50,7 @@ class Converter:
 
     def __init__(self, input_saved_model_dir: str, *, batch_size: int,
                  workspace_limit: Union[int, str] = "64MiB",
-                 memory_budget: Union[int, str, None] = None, planner: Optional[Planner] = None,
+                 workspace_budget: Union[int, str, None] = None, planner: Optional[Planner] = None,
                  signature_keys: Optional[Sequence[str]] = None, database: str = DEFAULT_DATABASE,
                  profiles: Sequence[str] = (), device: Optional[str] = None,
                  cudnn_version: Optional[int] = None):
@@ -60,10 +60,10 @@ class Converter:
         self.batch_size = batch_size
         self.workspace_limit_bytes = parse_bytes(workspace_limit)
         self._planner = planner
-        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self.workspace_budget_bytes = None if workspace_budget is None else parse_bytes(workspace_budget)
         self._planner_options = dict(database=database, profiles=profiles, device=device,
                                      cudnn_version=cudnn_version,
-                                     memory_budget=self.memory_budget_bytes)
+                                     workspace_budget=self.workspace_budget_bytes)
         self._signature_keys = signature_keys
         self._loaded = None
         self._signatures: dict = {}
@@ -164,8 +164,8 @@ class Converter:
     def summary(self) -> str:
         lines = [f"tf_ucudnn conversion of {self.input_saved_model_dir} at batch "
                  f"{self.batch_size}, {self.workspace_limit_bytes / MIB:g} MiB of workspace per "
-                 "kernel" + (f", {self.memory_budget_bytes / MIB:g} MiB for all together"
-                             if self.memory_budget_bytes is not None else "")
+                 "kernel" + (f", {self.workspace_budget_bytes / MIB:g} MiB for all together"
+                             if self.workspace_budget_bytes is not None else "")
                  + " (other batch sizes run the original graph)"]
         for key, report in self.reports.items():
             lines.append(f"signature {key!r}: " + report.to_text())

@@ -2,7 +2,7 @@
 callback and the SavedModel converter call for each convolution they find. Each kernel gets
 μ-cuDNN's dynamic program under the workspace limit.
 
-With a memory budget, `prepare` first plans all layers of a graph together: μ-cuDNN's integer
+With a workspace budget, `prepare` first plans all layers of a graph together: μ-cuDNN's integer
 linear program picks one (time, workspace) Pareto configuration per kernel so that the workspaces
 together fit the budget (the shared-workspace mode), and each layer then gets its share.
 
@@ -78,11 +78,11 @@ class DatabasePlanner:
     """Plans layers from a profile database, measuring missing geometries when it can.
 
     `workspace_limit_bytes` bounds each kernel's workspace (None: no bound);
-    `memory_budget_bytes` bounds their sum over the layers given to `prepare`.
+    `workspace_budget_bytes` bounds their sum over the layers given to `prepare`.
     """
 
     def __init__(self, database: ProfileDatabase, workspace_limit_bytes: Optional[int], *,
-                 memory_budget_bytes: Optional[int] = None,
+                 workspace_budget_bytes: Optional[int] = None,
                  machine: Optional[Machine] = None, measure: Optional[bool] = None,
                  deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0,
                  leave_undivided_to_tensorflow: bool = False):
@@ -94,16 +94,16 @@ class DatabasePlanner:
                                    if deterministic_only is None else deterministic_only)
         self.call_overhead_ms = call_overhead_ms
         self.leave_undivided_to_tensorflow = leave_undivided_to_tensorflow
-        if workspace_limit_bytes is None and memory_budget_bytes is None:
-            raise ValueError("give a workspace limit per kernel, a memory budget, or both")
-        self.memory_budget_bytes = memory_budget_bytes
+        if workspace_limit_bytes is None and workspace_budget_bytes is None:
+            raise ValueError("give a workspace limit per kernel, a workspace budget for all, or both")
+        self.workspace_budget_bytes = workspace_budget_bytes
         self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
 
     @classmethod
     def open(cls, workspace_limit: Union[int, str, None] = None,
              database: str = DEFAULT_DATABASE, profiles: Iterable[str] = (),
              device: Optional[str] = None, cudnn_version: Optional[int] = None,
-             memory_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
+             workspace_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
         """A planner over the database file (created if new), with `profiles` imported into it.
 
         On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
@@ -119,7 +119,7 @@ class DatabasePlanner:
             db.close()
             raise
         return cls(db, None if workspace_limit is None else parse_bytes(workspace_limit),
-                   memory_budget_bytes=None if memory_budget is None else parse_bytes(memory_budget),
+                   workspace_budget_bytes=None if workspace_budget is None else parse_bytes(workspace_budget),
                    machine=machine, measure=can_measure, **options)
 
     def close(self) -> None:
@@ -146,11 +146,11 @@ class DatabasePlanner:
         return tables
 
     def prepare(self, layers: Iterable[ConvLayer]) -> None:
-        """With a memory budget, plans `layers` together (the rewrite pass calls this first).
+        """With a workspace budget, plans `layers` together (the rewrite pass calls this first).
 
         Raises InfeasibleBudgetError, saying by how much, when the budget cannot be met.
         """
-        if self.memory_budget_bytes is None:
+        if self.workspace_budget_bytes is None:
             return
         self._network_plans = {}
         planned, options = [], []
@@ -170,7 +170,7 @@ class DatabasePlanner:
             planned.append(layer)
         if not planned:
             return
-        plans = optimize_network(options, self.memory_budget_bytes, SHARED_WORKSPACE).layer_plans()
+        plans = optimize_network(options, self.workspace_budget_bytes, SHARED_WORKSPACE).layer_plans()
         for index, layer in enumerate(planned):
             self._network_plans[layer] = plans[str(index)]
 
@@ -186,9 +186,9 @@ class DatabasePlanner:
         return front
 
     def __call__(self, layer: ConvLayer) -> Union[LayerPlan, str]:
-        if self.memory_budget_bytes is not None:
+        if self.workspace_budget_bytes is not None:
             if layer not in self._network_plans:
-                return "not among the layers planned together under the memory budget"
+                return "not among the layers planned together under the workspace budget"
             plan = self._network_plans[layer]
         else:
             plan = self._plan_alone(layer)

@@ -186,7 +186,7 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
 
 
 def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit=None,
-            memory_budget=None, inline_functions: bool = False, **planner_options):
+            workspace_budget=None, inline_functions: bool = False, **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
@@ -196,16 +196,16 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit=None,
 
     Plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason), or else from
     a `DatabasePlanner` for `workspace_limit` per kernel (bytes, or a size such as "64MiB") and/or
-    a `memory_budget` shared by all kernels; `planner_options` go to `DatabasePlanner.open`.
+    a `workspace_budget` shared by all kernels; `planner_options` go to `DatabasePlanner.open`.
     """
     if planner is None:
         from tf_ucudnn.planner import DatabasePlanner  # the planner imports this package
 
-        with DatabasePlanner.open(workspace_limit, memory_budget=memory_budget,
+        with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
                                   **planner_options) as default_planner:
             return rewrite(target, default_planner, inline_functions=inline_functions)
-    if workspace_limit is not None or memory_budget is not None or planner_options:
-        raise ValueError("workspace_limit, memory_budget and planner options are for the "
+    if workspace_limit is not None or workspace_budget is not None or planner_options:
+        raise ValueError("workspace_limit, workspace_budget and planner options are for the "
                          "default planner; a given planner has its own")
     if isinstance(target, graph_pb2.GraphDef):
         return rewrite_graph_def(target, planner)
