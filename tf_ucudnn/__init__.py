@@ -21,7 +21,8 @@ from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.planner import DatabasePlanner
 
 __all__ = [
-    "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KernelPlan", "LayerPlan", "MicroBatch", "MicroBatchCallback",
+    "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KernelPlan", "LayerPlan",
+    "MicroBatch", "MicroBatchCallback",
     "RewriteReport",
     "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
     "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",

@@ -65,7 +65,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
     After planning, `report` holds the plan of every layer and the layers left alone with why.
     """
 
-    def __init__(self, workspace_limit: Union[int, str] = "64MiB", planner: Optional[Planner] = None,
+    def __init__(self, workspace_limit: Union[int, str] = "64MiB",
+                 planner: Optional[Planner] = None,
                  *, database: str = DEFAULT_DATABASE, profiles=(), verbose: int = 1):
         super().__init__()
         self.workspace_limit_bytes = parse_bytes(workspace_limit)

@@ -171,7 +171,8 @@ def _plan_command(args) -> int:
 
 def _convert_command(args) -> int:
     converter = Converter(args.input_dir, batch_size=args.batch_size,
-                          workspace_limit=args.workspace_limit, workspace_budget=args.workspace_budget,
+                          workspace_limit=args.workspace_limit,
+                          workspace_budget=args.workspace_budget,
                           signature_keys=args.signatures,
                           database=args.database, profiles=args.profiles, device=args.device,
                           cudnn_version=args.cudnn_version)

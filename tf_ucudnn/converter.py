@@ -60,7 +60,8 @@ class Converter:
         self.batch_size = batch_size
         self.workspace_limit_bytes = parse_bytes(workspace_limit)
         self._planner = planner
-        self.workspace_budget_bytes = None if workspace_budget is None else parse_bytes(workspace_budget)
+        self.workspace_budget_bytes = (None if workspace_budget is None
+                                       else parse_bytes(workspace_budget))
         self._planner_options = dict(database=database, profiles=profiles, device=device,
                                      cudnn_version=cudnn_version,
                                      workspace_budget=self.workspace_budget_bytes)

@@ -95,7 +95,8 @@ class DatabasePlanner:
         self.call_overhead_ms = call_overhead_ms
         self.leave_undivided_to_tensorflow = leave_undivided_to_tensorflow
         if workspace_limit_bytes is None and workspace_budget_bytes is None:
-            raise ValueError("give a workspace limit per kernel, a workspace budget for all, or both")
+            raise ValueError("give a workspace limit per kernel, a workspace budget for all, "
+                             "or both")
         self.workspace_budget_bytes = workspace_budget_bytes
         self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
 
@@ -119,7 +120,8 @@ class DatabasePlanner:
             db.close()
             raise
         return cls(db, None if workspace_limit is None else parse_bytes(workspace_limit),
-                   workspace_budget_bytes=None if workspace_budget is None else parse_bytes(workspace_budget),
+                   workspace_budget_bytes=(None if workspace_budget is None
+                                           else parse_bytes(workspace_budget)),
                    machine=machine, measure=can_measure, **options)
 
     def close(self) -> None:
@@ -170,7 +172,8 @@ class DatabasePlanner:
             planned.append(layer)
         if not planned:
             return
-        plans = optimize_network(options, self.workspace_budget_bytes, SHARED_WORKSPACE).layer_plans()
+        plans = optimize_network(options, self.workspace_budget_bytes,
+                                 SHARED_WORKSPACE).layer_plans()
         for index, layer in enumerate(planned):
             self._network_plans[layer] = plans[str(index)]
 
