@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
-from tensorflow.python.framework import convert_to_constants, function_def_to_graph
+from tensorflow.python.framework import function_def_to_graph
 
 from tf_ucudnn.graph.conv_layers import (
     ConvLayer,
@@ -23,6 +23,7 @@ from tf_ucudnn.graph.conv_layers import (
     conv_layer_of,
     find_conv_layers,
 )
+from tf_ucudnn.graph.functions import callable_over, inline_function_calls
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
@@ -215,39 +216,7 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit=None,
         if inline_functions:
             target = inline_function_calls(target).get_concrete_function()
         graph_def, report = rewrite_graph_def(target.graph.as_graph_def(), planner, target.graph)
-        return _callable_over(graph_def, target), report
+        return callable_over(graph_def, target), report
     raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
                     f"{type(target).__name__} (for a tf.function, pass "
                     "fn.get_concrete_function(...))")
-
-
-def inline_function_calls(function):
-    """The ConcreteFunction's graph with every function call inlined, as a tf.function.
-
-    Uses Grappler's function optimizer, as TF-TRT's converter does before it rewrites.
-    """
-    graph_def = convert_to_constants._run_inline_graph_optimization(  # noqa: SLF001
-        function, lower_control_flow=False, aggressive_inlining=True)
-    return _callable_over(graph_def, function)
-
-
-def _callable_over(graph_def: graph_pb2.GraphDef, function):
-    """A tf.function running `graph_def`, whose placeholders are `function`'s inputs."""
-    captures = dict(zip([t.name for t in function.graph.internal_captures],
-                        function.captured_inputs))
-    inputs = [t.name for t in function.inputs if t.name not in captures]
-    outputs = [t.name for t in function.outputs]
-    specs = [tf.TensorSpec(t.shape, t.dtype) for t in function.inputs if t.name not in captures]
-
-    @tf.function(input_signature=specs, autograph=False)
-    def rewritten(*args):
-        input_map = dict(zip(inputs, args))
-        graph = tf.compat.v1.get_default_graph()
-        # The variables' handles become captures of the new function, as of the old one.
-        input_map.update({name: graph.capture(value) for name, value in captures.items()})
-        results = tf.graph_util.import_graph_def(graph_def, input_map=input_map,
-                                                 return_elements=outputs, name="ucudnn")
-        return tf.nest.pack_sequence_as(function.structured_outputs, results,
-                                        expand_composites=True)
-
-    return rewritten

@@ -1,0 +1,40 @@
+"""Functions as graphs and back: a ConcreteFunction's graph, changed as a GraphDef, becomes a
+callable again over the same inputs and captured variables; calls to other functions can be
+inlined first, so that a pass sees one flat graph with known shapes.
+"""
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import convert_to_constants
+
+
+def inline_function_calls(function):
+    """The ConcreteFunction's graph with every function call inlined, as a tf.function.
+
+    Uses Grappler's function optimizer, as TF-TRT's converter does before it rewrites.
+    """
+    graph_def = convert_to_constants._run_inline_graph_optimization(  # noqa: SLF001
+        function, lower_control_flow=False, aggressive_inlining=True)
+    return callable_over(graph_def, function)
+
+
+def callable_over(graph_def: graph_pb2.GraphDef, function):
+    """A tf.function running `graph_def`, whose placeholders are `function`'s inputs."""
+    captures = dict(zip([t.name for t in function.graph.internal_captures],
+                        function.captured_inputs))
+    inputs = [t.name for t in function.inputs if t.name not in captures]
+    outputs = [t.name for t in function.outputs]
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in function.inputs if t.name not in captures]
+
+    @tf.function(input_signature=specs, autograph=False)
+    def run(*args):
+        input_map = dict(zip(inputs, args))
+        graph = tf.compat.v1.get_default_graph()
+        # The variables' handles become captures of the new function, as of the old one.
+        input_map.update({name: graph.capture(value) for name, value in captures.items()})
+        results = tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                                 return_elements=outputs, name="ucudnn")
+        return tf.nest.pack_sequence_as(function.structured_outputs, results,
+                                        expand_composites=True)
+
+    return run
