@@ -1,0 +1,100 @@
+"""The swap pass: kept activations copied to the host and back give the same training step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.memory.swap import HOST, Swap, SwapError, insert_swaps, swap_function
+
+
+def _model():
+    tf.keras.utils.set_random_seed(3)
+    layers = tf.keras.layers
+    return tf.keras.Sequential([
+        tf.keras.Input((10, 10, 3)),
+        layers.Conv2D(6, 3, padding="same", activation="relu"),
+        layers.Conv2D(6, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+
+
+def _training_step(model):
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step.get_concrete_function(tf.TensorSpec([4, 10, 10, 3]), tf.TensorSpec([4], tf.int32))
+
+
+def _conv_input_swaps(graph, prefetch=False):
+    """Each Conv2D's input, swapped in for the gradient ops that read it."""
+    swaps = []
+    ops = graph.get_operations()
+    last_forward = next(i for i, op in enumerate(ops) if "gradient" in op.name) - 1
+    for op in ops:
+        if op.type != "Conv2D" or "gradient" in op.name:
+            continue
+        tensor = op.inputs[0]
+        backward = [c.name for c in tensor.consumers() if "gradient" in c.name]
+        swaps.append(Swap(tensor.name, backward, ops[last_forward].name if prefetch else None))
+    return swaps
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["eager", "prefetched"])
+def test_swapped_step_gives_the_same_loss_and_gradients(prefetch):
+    model = _model()
+    step = _training_step(model)
+    swaps = _conv_input_swaps(step.graph, prefetch)
+    assert len(swaps) == 2 and all(swap.backward_consumers for swap in swaps)
+    swapped = swap_function(step, swaps)
+    x = tf.random.stateless_normal([4, 10, 10, 3], seed=[1, 2])
+    y = tf.constant([0, 1, 2, 3])
+    loss, grads = step(x, y)
+    swapped_loss, swapped_grads = swapped(x, y)
+    np.testing.assert_allclose(swapped_loss.numpy(), loss.numpy(), rtol=1e-6)
+    for a, b in zip(swapped_grads, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_swap_nodes_are_placed_wired_and_protected():
+    step = _training_step(_model())
+    swaps = _conv_input_swaps(step.graph, prefetch=True)
+    graph_def = insert_swaps(step.graph.as_graph_def(), swaps, graph=step.graph)
+    nodes = {node.name: node for node in graph_def.node}
+    for swap in swaps:
+        base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
+        swap_out, swap_in = nodes[f"{base}/out"], nodes[f"{base}/in"]
+        assert swap_out.device == HOST and list(swap_out.input) == [swap.tensor]
+        assert swap_in.input[0] == swap_out.name
+        assert swap_in.input[1] == f"^{swap.prefetch_after}"
+        assert swap_in.attr["_grappler_do_not_remove"].b
+        for consumer in swap.backward_consumers:
+            assert swap_in.name in nodes[consumer].input
+            assert not {swap.tensor, swap.producer} & set(nodes[consumer].input)
+        # The forward consumers still read the original.
+        names = {swap.tensor, swap.producer} if swap.output_index == 0 else {swap.tensor}
+        forward = [n for n in graph_def.node if names & set(n.input) and n.name != swap_out.name]
+        assert forward and all("gradient" not in n.name for n in forward)
+
+
+def test_bad_swaps_are_named():
+    step = _training_step(_model())
+    (swap, _) = _conv_input_swaps(step.graph)
+    graph_def = step.graph.as_graph_def()
+    with pytest.raises(SwapError, match="no node 'nowhere'"):
+        insert_swaps(graph_def, [Swap("nowhere:0", swap.backward_consumers)], graph=step.graph)
+    with pytest.raises(SwapError, match="does not read it"):
+        insert_swaps(graph_def, [Swap(swap.tensor, [swap.producer])], graph=step.graph)
+    with pytest.raises(SwapError, match="no backward consumers"):
+        insert_swaps(graph_def, [Swap(swap.tensor, [])], graph=step.graph)
+    with pytest.raises(SwapError, match="waits for .* which needs the swapped-in tensor"):
+        insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers,
+                                      swap.backward_consumers[0])], graph=step.graph)
+    with pytest.raises(SwapError, match="prefetch_after names no node"):
+        insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers, "later")],
+                     graph=step.graph)

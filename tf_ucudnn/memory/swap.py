@@ -1,0 +1,144 @@
+"""The swap pass: activations kept from the forward to the backward pass wait in host memory.
+
+For each chosen tensor, a swap-out node (an Identity placed on the host) copies it out after it is
+produced, and a swap-in node (an Identity on the tensor's own device) copies it back for its
+backward consumers, which are rewired to read the copy. Once its forward consumers and the
+swap-out have run, TensorFlow frees the device buffer; the swap-in allocates a new one. The
+swap-in waits, through a control edge, for the op the performance model names, so that the
+transfer starts early enough to hide behind the computation in between, but not so early that
+the tensor is back on the device long before it is needed.
+
+Why explicit Identity nodes rather than Grappler's own swapping (the `_swap_to_host` hint of its
+memory optimizer): Grappler swaps only on GPU graphs and schedules the swap-in by its own cost
+model, so the decision could not be tested on the CPU nor follow our performance model. The nodes
+are marked `_grappler_do_not_remove`, so Grappler's dependency and arithmetic optimizers keep them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+
+from tf_ucudnn.graph.functions import callable_over
+
+HOST = "/device:CPU:0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """Swap `tensor` ("op:index") out after its producer and back in for `backward_consumers`
+    (node names), starting once `prefetch_after` (a node name, or None: as soon as possible) ran."""
+
+    tensor: str
+    backward_consumers: tuple[str, ...]
+    prefetch_after: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "backward_consumers", tuple(self.backward_consumers))
+
+    @property
+    def producer(self) -> str:
+        return self.tensor.rsplit(":", 1)[0]
+
+    @property
+    def output_index(self) -> int:
+        return int(self.tensor.rsplit(":", 1)[1]) if ":" in self.tensor else 0
+
+
+class SwapError(ValueError):
+    """A swap that cannot be made; names the tensor and the reason."""
+
+
+def _input_names(swap: Swap) -> set[str]:
+    # How a NodeDef refers to the tensor: "op" for output 0, "op:1" otherwise.
+    index = swap.output_index
+    return {swap.producer, f"{swap.producer}:0"} if index == 0 else {f"{swap.producer}:{index}"}
+
+
+def _protected(node) -> None:
+    node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+
+
+def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
+                 device: Optional[str] = None,
+                 graph: Optional[tf.Graph] = None) -> graph_pb2.GraphDef:
+    """A copy of `graph_def` (its main graph) with the swaps made.
+
+    `device` is where swapped-in tensors go; by default the producer's device, else the first GPU
+    when there is one, else left to TensorFlow's placer. `graph`, the graph `graph_def` came from,
+    gives the tensors' types (else the GraphDef is imported to read them).
+    """
+    if graph is None:
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    result = graph_pb2.GraphDef()
+    result.CopyFrom(graph_def)
+    nodes = {node.name: node for node in result.node}
+    if device is None:
+        device = "/device:GPU:0" if tf.config.list_logical_devices("GPU") else ""
+    for swap in swaps:
+        producer = nodes.get(swap.producer)
+        if producer is None:
+            raise SwapError(f"{swap.tensor}: no node {swap.producer!r} in the graph")
+        try:
+            dtype = graph.get_tensor_by_name(f"{swap.producer}:{swap.output_index}").dtype
+        except (KeyError, ValueError) as error:
+            raise SwapError(f"{swap.tensor}: {error}") from error
+        if not swap.backward_consumers:
+            raise SwapError(f"{swap.tensor}: no backward consumers to swap it in for")
+        if swap.prefetch_after is not None and swap.prefetch_after not in nodes:
+            raise SwapError(f"{swap.tensor}: prefetch_after names no node "
+                            f"({swap.prefetch_after!r})")
+        base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
+        swap_out = result.node.add(name=f"{base}/out", op="Identity", device=HOST,
+                                   input=[swap.tensor])
+        swap_in = result.node.add(name=f"{base}/in", op="Identity",
+                                  device=producer.device or device, input=[swap_out.name])
+        if swap.prefetch_after is not None:
+            swap_in.input.append(f"^{swap.prefetch_after}")
+        for node in (swap_out, swap_in):
+            node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype.as_datatype_enum))
+            _protected(node)
+        referring = _input_names(swap)
+        for name in swap.backward_consumers:
+            consumer = nodes.get(name)
+            if consumer is None:
+                raise SwapError(f"{swap.tensor}: no backward consumer node {name!r}")
+            positions = [i for i, text in enumerate(consumer.input) if text in referring]
+            if not positions:
+                raise SwapError(f"{swap.tensor}: {name} does not read it")
+            for i in positions:
+                consumer.input[i] = swap_in.name
+    _check_acyclic(result, swaps)
+    return result
+
+
+def _check_acyclic(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap]) -> None:
+    """A swap-in that waits for an op which itself needs the swapped-in tensor would deadlock."""
+    consumers: dict[str, list[str]] = {}
+    for node in graph_def.node:
+        for text in node.input:
+            consumers.setdefault(text.lstrip("^").rsplit(":", 1)[0], []).append(node.name)
+    for swap in swaps:
+        if swap.prefetch_after is None:
+            continue
+        start = f"{swap.producer}/ucudnn_swap_{swap.output_index}/in"
+        seen, frontier = {start}, [start]
+        while frontier:
+            for name in consumers.get(frontier.pop(), ()):
+                if name == swap.prefetch_after:
+                    raise SwapError(f"{swap.tensor}: the swap-in waits for {name}, which needs "
+                                    "the swapped-in tensor: the step would deadlock")
+                if name not in seen:
+                    seen.add(name)
+                    frontier.append(name)
+
+
+def swap_function(function, swaps: Sequence[Swap], device: Optional[str] = None):
+    """A ConcreteFunction with the swaps made, as a tf.function over the same inputs."""
+    graph_def = insert_swaps(function.graph.as_graph_def(), swaps, device, function.graph)
+    return callable_over(graph_def, function)
