@@ -1,0 +1,94 @@
+"""The performance model on small steps worked out by hand (times in ms, sizes in bytes)."""
+
+import pytest
+
+from tf_ucudnn.memory.performance_model import (
+    BudgetError,
+    DeviceModel,
+    SwapDecision,
+    TensorUse,
+    latest_hiding_prefetch,
+    plan_swaps,
+    predict,
+)
+
+# 100 bytes per ms each way.
+LINK = DeviceModel("test", device_to_host=1e5, host_to_device=1e5)
+
+
+def _chain():
+    """op0 makes A (100 B) read by op1 and, in the backward pass, by op3; op1 makes B (50 B)
+    read by op2; op2 makes C (10 B) read by op3. Each op takes 1 ms."""
+    return [1.0] * 4, [
+        TensorUse("A", 100, producer=0, consumers=(1, 3), backward_consumers=(3,)),
+        TensorUse("B", 50, producer=1, consumers=(2,)),
+        TensorUse("C", 10, producer=2, consumers=(3,)),
+    ]
+
+
+def test_without_swaps_everything_stays():
+    op_ms, tensors = _chain()
+    prediction = predict(op_ms, tensors, LINK, persistent_bytes=7)
+    # At t=2 (op2) A, B and C are all held: 160 bytes, plus the persistent 7.
+    assert prediction.step_ms == 4.0 and prediction.compute_ms == 4.0
+    assert prediction.peak_bytes == 167 and prediction.peak_op == 2
+    assert prediction.exposed_transfer_ms == 0.0 and prediction.transfer_ms == 0.0
+
+
+def test_a_swap_in_started_too_early_saves_nothing():
+    op_ms, tensors = _chain()
+    # Out during op1 (t=1..2); in right after op1 (t=2..3): back before op2 even starts.
+    prediction = predict(op_ms, tensors, LINK, [SwapDecision("A", prefetch_after=1)])
+    assert prediction.step_ms == 4.0 and prediction.peak_bytes == 160
+    assert prediction.transfer_ms == 2.0
+
+
+def test_a_late_swap_in_frees_memory_and_shows_its_cost():
+    op_ms, tensors = _chain()
+    # In after op2 (t=3..4): op3 waits until 4 and ends at 5. A is gone during op2 (t=2..3),
+    # so the peak is A + B = 150 during op1.
+    prediction = predict(op_ms, tensors, LINK, [SwapDecision("A", prefetch_after=2)])
+    assert prediction.step_ms == 5.0 and prediction.exposed_transfer_ms == 1.0
+    assert prediction.peak_bytes == 150 and prediction.peak_op == 1
+
+
+def test_swaps_wait_for_each_other_on_one_copy_engine():
+    op_ms = [1.0] * 6
+    tensors = [TensorUse("A", 200, 0, (1, 5), (5,)), TensorUse("B", 200, 1, (2, 4), (4,))]
+    # B alone: out t=2..4, in after op3 (t=4) -> 4..6; op4 waits until 6, op5 ends at 8.
+    alone = predict(op_ms, tensors, LINK, [SwapDecision("B", 3)])
+    assert alone.step_ms == 8.0 and alone.transfer_ms == 4.0
+    both = predict(op_ms, tensors, LINK, [SwapDecision("A", 2), SwapDecision("B", 3)])
+    # A: out 1..3, in after op2 (t=3) -> 3..5. B: out 3..5, in after op3 (t=4) -> waits for the
+    # engine (5) and its out (5) -> 5..7. op4 (reads B) starts at 7, op5 at 8, ends at 9.
+    assert both.step_ms == 9.0
+
+
+def test_prefetch_points_are_checked():
+    op_ms, tensors = _chain()
+    with pytest.raises(ValueError, match="after its last forward use"):
+        predict(op_ms, tensors, LINK, [SwapDecision("A", prefetch_after=0)])
+    with pytest.raises(ValueError, match="not a tensor kept for the backward pass"):
+        predict(op_ms, tensors, LINK, [SwapDecision("B", prefetch_after=1)])
+
+
+def test_latest_hiding_prefetch():
+    tensor = TensorUse("A", 200, 0, (1, 6), (6,))
+    # The copy takes 2 ms; ops 2..5 take 1 ms each: starting after op3 leaves ops 4 and 5.
+    assert latest_hiding_prefetch(tensor, [1.0] * 7, LINK) == 3
+    # Too little compute in between: as early as allowed, after the last forward use.
+    assert latest_hiding_prefetch(tensor, [1.0, 1.0, 0.1, 0.1, 0.1, 0.1, 1.0], LINK) == 1
+
+
+def test_plan_swaps_meets_a_budget_and_says_when_it_cannot():
+    op_ms = [1.0] * 8
+    tensors = [TensorUse("A", 100, 0, (1, 7), (7,)), TensorUse("B", 100, 1, (2, 6), (6,)),
+               TensorUse("C", 10, 2, (3,))]
+    plain = predict(op_ms, tensors, LINK)
+    assert plain.peak_bytes == 210
+    decisions, prediction = plan_swaps(op_ms, tensors, LINK, budget_bytes=200)
+    assert prediction.peak_bytes <= 200 and decisions
+    with pytest.raises(BudgetError, match="cannot be met by swapping") as error:
+        plan_swaps(op_ms, tensors, LINK, budget_bytes=150)
+    # A and B are both needed by op1 in the forward pass: 200 bytes cannot go below that.
+    assert error.value.shortfall_bytes == 50

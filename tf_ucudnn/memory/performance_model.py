@@ -1,0 +1,241 @@
+"""The performance model: predicted step time and peak memory of a training step for a set of swap
+decisions, from op times and tensor sizes, as AccUDNN plans with.
+
+The step is modelled as three queues working side by side, as on a GPU: the compute stream runs
+the ops one after another in execution order; a device-to-host copy engine runs the swap-outs in
+the order their tensors are produced; a host-to-device copy engine runs the swap-ins in the order
+their prefetch points are reached. An op waits for the swap-ins of the tensors it reads; a
+swap-in waits for its tensor's swap-out and for its prefetch op. A tensor occupies device memory
+from the start of its producer to the end of its last consumer; a swapped one instead until the
+later of its last forward use and its swap-out, and again from its swap-in's start to its last
+backward use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """What the model assumes of the machine: copy bandwidths in bytes per second."""
+
+    name: str
+    device_to_host: float
+    host_to_device: float
+
+    @classmethod
+    def measure(cls, device: str = "/GPU:0", size_bytes: int = 256 << 20,
+                repeats: int = 5) -> "DeviceModel":
+        """Times copies of a `size_bytes` tensor between the host and `device`."""
+        if not tf.config.list_logical_devices("GPU"):
+            raise RuntimeError("no GPU to measure host-device bandwidth on; give a DeviceModel "
+                               "with the bandwidths instead")
+        count = size_bytes // 4
+        with tf.device(device):
+            on_device = tf.random.uniform([count])
+        with tf.device("/CPU:0"):
+            on_host = tf.identity(on_device)
+
+        def rate(source, target):
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with tf.device(target):
+                    copied = tf.identity(source)
+                copied.numpy() if target.startswith("/CPU") else tf.reduce_sum(copied).numpy()
+                best = min(best, time.perf_counter() - start)
+            return size_bytes / best
+
+        name = tf.config.experimental.get_device_details(
+            tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
+        return cls(name, device_to_host=rate(on_device, "/CPU:0"),
+                   host_to_device=rate(on_host, device))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorUse:
+    """A tensor of the step: its size, the op producing it and the ops reading it (indices into
+    the execution order). `backward_consumers` are the readers after the forward pass."""
+
+    name: str
+    bytes: int
+    producer: int
+    consumers: tuple[int, ...]
+    backward_consumers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "consumers", tuple(sorted(self.consumers)))
+        object.__setattr__(self, "backward_consumers", tuple(sorted(self.backward_consumers)))
+        if not set(self.backward_consumers) <= set(self.consumers):
+            raise ValueError(f"{self.name}: backward consumers must be among its consumers")
+
+    @property
+    def last_forward_use(self) -> int:
+        forward = [c for c in self.consumers if c not in self.backward_consumers]
+        return max(forward, default=self.producer)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapDecision:
+    tensor: str
+    prefetch_after: int  # the swap-in starts once this op (an index) has finished
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_ms: float
+    compute_ms: float
+    peak_bytes: int
+    peak_op: int  # the op running when the peak is reached
+    transfer_ms: float  # copy engines' busy time, hidden or not
+
+    @property
+    def exposed_transfer_ms(self) -> float:
+        return self.step_ms - self.compute_ms
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"exposed_transfer_ms": self.exposed_transfer_ms}
+
+
+def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
+            swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0) -> Prediction:
+    """Step time and peak memory of the ops (in execution order) with these swaps."""
+    by_name = {tensor.name: tensor for tensor in tensors}
+    chosen = {}
+    for swap in swaps:
+        tensor = by_name.get(swap.tensor)
+        if tensor is None or not tensor.backward_consumers:
+            raise ValueError(f"{swap.tensor}: not a tensor kept for the backward pass")
+        first_backward = tensor.backward_consumers[0]
+        if not tensor.last_forward_use <= swap.prefetch_after < first_backward:
+            raise ValueError(f"{swap.tensor}: the prefetch op must come after its last forward "
+                             f"use ({tensor.last_forward_use}) and before its first backward "
+                             f"use ({first_backward}), got {swap.prefetch_after}")
+        chosen[swap.tensor] = swap
+
+    produced_by: dict[int, list[TensorUse]] = {}
+    prefetched_at: dict[int, list[TensorUse]] = {}
+    waits: dict[int, list[str]] = {}
+    for name, swap in chosen.items():
+        tensor = by_name[name]
+        produced_by.setdefault(tensor.producer, []).append(tensor)
+        prefetched_at.setdefault(swap.prefetch_after, []).append(tensor)
+        for consumer in tensor.backward_consumers:
+            waits.setdefault(consumer, []).append(name)
+
+    start, end = [0.0] * len(op_ms), [0.0] * len(op_ms)
+    out_done, in_start, in_done = {}, {}, {}
+    d2h_free = h2d_free = transfer = 0.0
+    clock = 0.0
+    for i, duration in enumerate(op_ms):
+        ready = max([clock] + [in_done[name] for name in waits.get(i, ())])
+        start[i], end[i] = ready, ready + duration
+        clock = end[i]
+        for tensor in produced_by.get(i, ()):
+            copy = tensor.bytes / model.device_to_host * 1e3
+            out_done[tensor.name] = d2h_free = max(d2h_free, end[i]) + copy
+            transfer += copy
+        for tensor in prefetched_at.get(i, ()):
+            copy = tensor.bytes / model.host_to_device * 1e3
+            begin = max(h2d_free, end[i], out_done[tensor.name])
+            in_start[tensor.name], in_done[tensor.name] = begin, begin + copy
+            h2d_free = begin + copy
+            transfer += copy
+
+    intervals = []
+    for tensor in tensors:
+        last = max(tensor.consumers, default=tensor.producer)
+        if tensor.name in chosen:
+            intervals.append((start[tensor.producer],
+                              max(end[tensor.last_forward_use], out_done[tensor.name]),
+                              tensor.bytes))
+            intervals.append((in_start[tensor.name], end[last], tensor.bytes))
+        else:
+            intervals.append((start[tensor.producer], end[last], tensor.bytes))
+    peak, peak_time = _peak(intervals)
+    peak_op = next((i for i in range(len(op_ms)) if start[i] <= peak_time < end[i]),
+                   len(op_ms) - 1)
+    return Prediction(step_ms=clock, compute_ms=sum(op_ms), peak_bytes=peak + persistent_bytes,
+                      peak_op=peak_op, transfer_ms=transfer)
+
+
+def _peak(intervals) -> tuple[int, float]:
+    """Most bytes held at once by half-open [start, end) intervals, and when."""
+    intervals = [(s, e, b) for s, e, b in intervals if e > s]
+    events = sorted([(s, 1, b) for s, e, b in intervals] + [(e, 0, -b) for s, e, b in intervals])
+    # At equal times frees (kind 0) come before allocations: a buffer freed as another is taken.
+    held = best = 0
+    when = 0.0
+    for moment, _, change in events:
+        held += change
+        if held > best:
+            best, when = held, moment
+    return best, when
+
+
+def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],
+                           model: DeviceModel) -> int:
+    """The latest op after which the swap-in still ends before the first backward use, on an
+    idle copy engine: as late as possible to hold the memory briefly, early enough to hide."""
+    copy = tensor.bytes / model.host_to_device * 1e3
+    covered = 0.0
+    for prefetch in range(tensor.backward_consumers[0] - 1, tensor.last_forward_use - 1, -1):
+        if covered >= copy:
+            return prefetch
+        covered += op_ms[prefetch]
+    return tensor.last_forward_use
+
+
+def plan_swaps(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
+               budget_bytes: int, persistent_bytes: int = 0,
+               candidates: Optional[Sequence[str]] = None) -> tuple[list[SwapDecision],
+                                                                    Prediction]:
+    """Swaps chosen greedily until the predicted peak fits the budget.
+
+    At each round, of the kept tensors alive at the peak, the one whose transfer hides best (the
+    most compute between its last forward and first backward use per byte moved) and is largest
+    is swapped, with its prefetch as late as hides it. Raises BudgetError when swapping all
+    candidates still does not fit, saying by how much.
+    """
+    by_name = {t.name: t for t in tensors}
+    pool = [by_name[name] for name in (candidates or by_name)
+            if by_name[name].backward_consumers]
+    decisions: list[SwapDecision] = []
+    prediction = predict(op_ms, tensors, model, decisions, persistent_bytes)
+    while prediction.peak_bytes > budget_bytes:
+        peak_op = prediction.peak_op
+        alive = [t for t in pool if t.producer <= peak_op <= t.consumers[-1]
+                 and t.name not in {d.tensor for d in decisions}]
+        if not alive:
+            raise BudgetError(budget_bytes, prediction)
+
+        def score(tensor):
+            gap = sum(op_ms[tensor.last_forward_use + 1:tensor.backward_consumers[0]])
+            copy = tensor.bytes / model.host_to_device * 1e3
+            return (min(gap / copy, 1.0) if copy else 1.0, tensor.bytes)
+
+        best = max(alive, key=score)
+        decisions.append(SwapDecision(best.name, latest_hiding_prefetch(best, op_ms, model)))
+        prediction = predict(op_ms, tensors, model, decisions, persistent_bytes)
+    return decisions, prediction
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met by swapping; says by how much it is missed."""
+
+    def __init__(self, budget_bytes: int, prediction: Prediction):
+        self.budget_bytes = budget_bytes
+        self.shortfall_bytes = prediction.peak_bytes - budget_bytes
+        self.prediction = prediction
+        super().__init__(
+            f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met by swapping: "
+            f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
+            f"{prediction.peak_op}, {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
+            "kept tensor alive there already swapped")
