@@ -5,10 +5,11 @@ import pytest
 from tf_ucudnn.memory.performance_model import (
     BudgetError,
     DeviceModel,
+    RecomputeDecision,
     SwapDecision,
     TensorUse,
     latest_hiding_prefetch,
-    plan_swaps,
+    plan_memory,
     predict,
 )
 
@@ -80,15 +81,47 @@ def test_latest_hiding_prefetch():
     assert latest_hiding_prefetch(tensor, [1.0, 1.0, 0.1, 0.1, 0.1, 0.1, 1.0], LINK) == 1
 
 
-def test_plan_swaps_meets_a_budget_and_says_when_it_cannot():
+def test_plan_memory_meets_a_budget_and_says_when_it_cannot():
     op_ms = [1.0] * 8
     tensors = [TensorUse("A", 100, 0, (1, 7), (7,)), TensorUse("B", 100, 1, (2, 6), (6,)),
                TensorUse("C", 10, 2, (3,))]
     plain = predict(op_ms, tensors, LINK)
     assert plain.peak_bytes == 210
-    decisions, prediction = plan_swaps(op_ms, tensors, LINK, budget_bytes=200)
-    assert prediction.peak_bytes <= 200 and decisions
-    with pytest.raises(BudgetError, match="cannot be met by swapping") as error:
-        plan_swaps(op_ms, tensors, LINK, budget_bytes=150)
+    decisions = plan_memory(op_ms, tensors, LINK, budget_bytes=200)
+    # Swapping A hides behind ops 2-6 (1 ms of copy each way): no slower, 100 bytes less.
+    assert [swap.tensor for swap in decisions.swaps] == ["A"] and not decisions.recomputes
+    assert decisions.prediction.peak_bytes == 200 and decisions.prediction.step_ms == 8.0
+    with pytest.raises(BudgetError, match="cannot be met") as error:
+        plan_memory(op_ms, tensors, LINK, budget_bytes=150)
     # A and B are both needed by op1 in the forward pass: 200 bytes cannot go below that.
     assert error.value.shortfall_bytes == 50
+
+
+def test_recomputation_frees_memory_at_the_cost_of_compute():
+    op_ms, tensors = _chain()
+    # A recomputed (0.5 ms) just before op3: gone after op1 (t=2), back at t=3..3.5, op3 ends 4.5.
+    prediction = predict(op_ms, tensors, LINK, recomputes=[RecomputeDecision("A", 0.5)])
+    assert prediction.step_ms == 4.5 and prediction.compute_ms == 4.5
+    assert prediction.exposed_transfer_ms == 0.0
+    # Peak: A + B = 150 during op1; during op2 only B + C = 60; from 3, A + C = 110.
+    assert prediction.peak_bytes == 150 and prediction.peak_op == 1
+    with pytest.raises(ValueError, match="both swapped and recomputed"):
+        predict(op_ms, tensors, LINK, [SwapDecision("A", 2)], recomputes=[
+            RecomputeDecision("A", 0.5)])
+
+
+def test_plan_memory_recomputes_where_a_swap_cannot_hide():
+    # op1 reads A and makes B; op2 (0.2 ms) makes C from B; op3 reads A in the backward pass.
+    # A + B + C = 210 during op2; A + B = 200 during op1 cannot be helped.
+    op_ms = [1.0, 1.0, 0.2, 1.0]
+    tensors = [TensorUse("A", 100, 0, (1, 3), (3,)), TensorUse("B", 100, 1, (2,)),
+               TensorUse("C", 10, 2, (3,))]
+    # Recomputing A (0.1 ms) just before op3: gone during op2, step 3.2 + 0.1.
+    decisions = plan_memory(op_ms, tensors, LINK, budget_bytes=205, recompute_ms={"A": 0.1})
+    assert [r.tensor for r in decisions.recomputes] == ["A"] and not decisions.swaps
+    assert decisions.prediction.step_ms == pytest.approx(3.3)
+    assert decisions.prediction.peak_bytes == 200
+    # A swap cannot hide behind 0.2 ms: in after op2 (t=2.2..3.2), op3 ends at 4.2.
+    swapped = plan_memory(op_ms, tensors, LINK, budget_bytes=205)
+    assert swapped.swaps == (SwapDecision("A", 2),) and not swapped.recomputes
+    assert swapped.prediction.step_ms == pytest.approx(4.2)

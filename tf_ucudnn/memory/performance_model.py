@@ -1,5 +1,5 @@
 """The performance model: predicted step time and peak memory of a training step for a set of swap
-decisions, from op times and tensor sizes, as AccUDNN plans with.
+and recomputation decisions, from op times and tensor sizes, as AccUDNN and SuperNeurons plan with.
 
 The step is modelled as three queues working side by side, as on a GPU: the compute stream runs
 the ops one after another in execution order; a device-to-host copy engine runs the swap-outs in
@@ -8,14 +8,15 @@ their prefetch points are reached. An op waits for the swap-ins of the tensors i
 swap-in waits for its tensor's swap-out and for its prefetch op. A tensor occupies device memory
 from the start of its producer to the end of its last consumer; a swapped one instead until the
 later of its last forward use and its swap-out, and again from its swap-in's start to its last
-backward use.
+backward use; a recomputed one until its last forward use, and again from its recomputation,
+which the compute stream runs just before the tensor's first backward use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -89,6 +90,12 @@ class SwapDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class RecomputeDecision:
+    tensor: str
+    cost_ms: float  # the time of the ops that recompute it
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
     step_ms: float
     compute_ms: float
@@ -105,9 +112,18 @@ class Prediction:
 
 
 def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
-            swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0) -> Prediction:
-    """Step time and peak memory of the ops (in execution order) with these swaps."""
+            swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
+            recomputes: Sequence[RecomputeDecision] = ()) -> Prediction:
+    """Step time and peak memory of the ops (in execution order) with these decisions."""
     by_name = {tensor.name: tensor for tensor in tensors}
+    recomputed_before: dict[int, list[RecomputeDecision]] = {}
+    for decision in recomputes:
+        tensor = by_name.get(decision.tensor)
+        if tensor is None or not tensor.backward_consumers:
+            raise ValueError(f"{decision.tensor}: not a tensor kept for the backward pass")
+        if decision.tensor in {swap.tensor for swap in swaps}:
+            raise ValueError(f"{decision.tensor}: both swapped and recomputed")
+        recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
     chosen = {}
     for swap in swaps:
         tensor = by_name.get(swap.tensor)
@@ -131,11 +147,14 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
             waits.setdefault(consumer, []).append(name)
 
     start, end = [0.0] * len(op_ms), [0.0] * len(op_ms)
-    out_done, in_start, in_done = {}, {}, {}
+    out_done, in_start, in_done, recomputed_at = {}, {}, {}, {}
     d2h_free = h2d_free = transfer = 0.0
     clock = 0.0
     for i, duration in enumerate(op_ms):
         ready = max([clock] + [in_done[name] for name in waits.get(i, ())])
+        for decision in recomputed_before.get(i, ()):
+            recomputed_at[decision.tensor] = ready
+            ready += decision.cost_ms
         start[i], end[i] = ready, ready + duration
         clock = end[i]
         for tensor in produced_by.get(i, ()):
@@ -157,12 +176,16 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
                               max(end[tensor.last_forward_use], out_done[tensor.name]),
                               tensor.bytes))
             intervals.append((in_start[tensor.name], end[last], tensor.bytes))
+        elif tensor.name in recomputed_at:
+            intervals.append((start[tensor.producer], end[tensor.last_forward_use], tensor.bytes))
+            intervals.append((recomputed_at[tensor.name], end[last], tensor.bytes))
         else:
             intervals.append((start[tensor.producer], end[last], tensor.bytes))
     peak, peak_time = _peak(intervals)
     peak_op = next((i for i in range(len(op_ms)) if start[i] <= peak_time < end[i]),
                    len(op_ms) - 1)
-    return Prediction(step_ms=clock, compute_ms=sum(op_ms), peak_bytes=peak + persistent_bytes,
+    compute = sum(op_ms) + sum(decision.cost_ms for decision in recomputes)
+    return Prediction(step_ms=clock, compute_ms=compute, peak_bytes=peak + persistent_bytes,
                       peak_op=peak_op, transfer_ms=transfer)
 
 
@@ -193,49 +216,66 @@ def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],
     return tensor.last_forward_use
 
 
-def plan_swaps(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
-               budget_bytes: int, persistent_bytes: int = 0,
-               candidates: Optional[Sequence[str]] = None) -> tuple[list[SwapDecision],
-                                                                    Prediction]:
-    """Swaps chosen greedily until the predicted peak fits the budget.
+@dataclasses.dataclass(frozen=True)
+class MemoryDecisions:
+    swaps: tuple[SwapDecision, ...]
+    recomputes: tuple[RecomputeDecision, ...]
+    prediction: Prediction
 
-    At each round, of the kept tensors alive at the peak, the one whose transfer hides best (the
-    most compute between its last forward and first backward use per byte moved) and is largest
-    is swapped, with its prefetch as late as hides it. Raises BudgetError when swapping all
-    candidates still does not fit, saying by how much.
+    def to_json(self) -> dict:
+        return {"swaps": [dataclasses.asdict(s) for s in self.swaps],
+                "recomputes": [dataclasses.asdict(r) for r in self.recomputes],
+                "prediction": self.prediction.to_json()}
+
+
+def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
+                budget_bytes: int, persistent_bytes: int = 0,
+                recompute_ms: Optional[Mapping[str, float]] = None,
+                candidates_per_round: int = 8) -> MemoryDecisions:
+    """Swaps and recomputations chosen greedily until the predicted peak fits the budget.
+
+    Each round looks at the largest kept tensors alive at the predicted peak and takes, of the
+    choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
+    the latest prefetch of all; recomputing where `recompute_ms` gives its cost), the one that
+    keeps the predicted step shortest. Raises BudgetError, saying by how much the
+    budget is missed, when no kept tensor alive at the peak is left to choose.
     """
-    by_name = {t.name: t for t in tensors}
-    pool = [by_name[name] for name in (candidates or by_name)
-            if by_name[name].backward_consumers]
-    decisions: list[SwapDecision] = []
-    prediction = predict(op_ms, tensors, model, decisions, persistent_bytes)
+    recompute_ms = recompute_ms or {}
+    swaps: list[SwapDecision] = []
+    recomputes: list[RecomputeDecision] = []
+    prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes)
     while prediction.peak_bytes > budget_bytes:
-        peak_op = prediction.peak_op
-        alive = [t for t in pool if t.producer <= peak_op <= t.consumers[-1]
-                 and t.name not in {d.tensor for d in decisions}]
+        decided = {d.tensor for d in swaps} | {d.tensor for d in recomputes}
+        alive = sorted((t for t in tensors if t.backward_consumers and t.name not in decided
+                        and t.producer <= prediction.peak_op <= t.consumers[-1]),
+                       key=lambda t: -t.bytes)[:candidates_per_round]
         if not alive:
             raise BudgetError(budget_bytes, prediction)
-
-        def score(tensor):
-            gap = sum(op_ms[tensor.last_forward_use + 1:tensor.backward_consumers[0]])
-            copy = tensor.bytes / model.host_to_device * 1e3
-            return (min(gap / copy, 1.0) if copy else 1.0, tensor.bytes)
-
-        best = max(alive, key=score)
-        decisions.append(SwapDecision(best.name, latest_hiding_prefetch(best, op_ms, model)))
-        prediction = predict(op_ms, tensors, model, decisions, persistent_bytes)
-    return decisions, prediction
+        options = []
+        for tensor in alive:
+            for prefetch in {latest_hiding_prefetch(tensor, op_ms, model),
+                             tensor.backward_consumers[0] - 1}:
+                options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputes))
+            if tensor.name in recompute_ms:
+                options.append((swaps, [*recomputes,
+                                        RecomputeDecision(tensor.name, recompute_ms[tensor.name])]))
+        outcomes = [(predict(op_ms, tensors, model, s, persistent_bytes, r), s, r)
+                    for s, r in options]
+        # Choices that lower the peak first, then the shortest step.
+        prediction, swaps, recomputes = min(outcomes, key=lambda o: (
+            o[0].peak_bytes >= prediction.peak_bytes, o[0].step_ms, o[0].peak_bytes))
+    return MemoryDecisions(tuple(swaps), tuple(recomputes), prediction)
 
 
 class BudgetError(ValueError):
-    """The budget cannot be met by swapping; says by how much it is missed."""
+    """The budget cannot be met; says by how much it is missed."""
 
     def __init__(self, budget_bytes: int, prediction: Prediction):
         self.budget_bytes = budget_bytes
         self.shortfall_bytes = prediction.peak_bytes - budget_bytes
         self.prediction = prediction
         super().__init__(
-            f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met by swapping: "
+            f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met: "
             f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
             f"{prediction.peak_op}, {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
-            "kept tensor alive there already swapped")
+            "kept tensor alive there already swapped or recomputed")
