@@ -1,0 +1,97 @@
+"""The recomputation pass: activations made again for the backward pass give the same step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.memory.recompute import (
+    Recompute,
+    RecomputeError,
+    insert_recomputes,
+    recompute_function,
+)
+
+
+def _training_step():
+    tf.keras.utils.set_random_seed(5)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((10, 10, 3)),
+        layers.Conv2D(6, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(),
+        layers.Conv2D(6, 3, padding="same"), layers.ReLU(),
+        layers.GlobalAveragePooling2D(), layers.Dense(4),
+    ])
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step.get_concrete_function(tf.TensorSpec([4, 10, 10, 3]), tf.TensorSpec([4], tf.int32))
+
+
+def _relu_recomputes(graph):
+    ops = graph.get_operations()
+    last_forward = ops[next(i for i, op in enumerate(ops) if "gradient" in op.name) - 1].name
+    recomputes = []
+    for op in ops:
+        if op.type == "Relu" and "gradient" not in op.name:
+            backward = [c.name for c in op.outputs[0].consumers() if "gradient" in c.name]
+            recomputes.append(Recompute(op.outputs[0].name, backward, last_forward))
+    return recomputes
+
+
+def test_recomputed_step_gives_the_same_loss_and_gradients():
+    step = _training_step()
+    recomputes = _relu_recomputes(step.graph)
+    assert len(recomputes) == 2 and all(r.backward_consumers for r in recomputes)
+    recomputed = recompute_function(step, recomputes)
+    x = tf.random.stateless_normal([4, 10, 10, 3], seed=[3, 4])
+    y = tf.constant([3, 2, 1, 0])
+    loss, grads = step(x, y)
+    new_loss, new_grads = recomputed(x, y)
+    np.testing.assert_allclose(new_loss.numpy(), loss.numpy(), rtol=1e-6)
+    for a, b in zip(new_grads, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_clones_read_the_same_inputs_and_feed_the_backward_consumers():
+    step = _training_step()
+    recomputes = _relu_recomputes(step.graph)
+    graph_def = insert_recomputes(step.graph.as_graph_def(), recomputes, step.graph)
+    nodes = {node.name: node for node in graph_def.node}
+    for recompute in recomputes:
+        original, clone = nodes[recompute.producer], nodes[f"{recompute.producer}/ucudnn_recompute"]
+        assert clone.op == "Relu" and list(clone.input[:-1]) == list(original.input)
+        assert clone.input[-1] == f"^{recompute.trigger}"
+        assert clone.attr["_grappler_do_not_remove"].b
+        for consumer in recompute.backward_consumers:
+            assert clone.name in nodes[consumer].input
+            assert recompute.producer not in nodes[consumer].input
+
+
+def test_what_cannot_be_recomputed_is_refused_with_the_reason():
+    step = _training_step()
+    (relu, _) = _relu_recomputes(step.graph)
+    graph_def = step.graph.as_graph_def()
+    placeholder = next(op for op in step.graph.get_operations() if op.type == "Placeholder")
+    with pytest.raises(RecomputeError, match="Placeholder is cheaper to keep"):
+        insert_recomputes(graph_def, [Recompute(placeholder.outputs[0].name, ["x"])], step.graph)
+    with pytest.raises(RecomputeError, match="does not read it"):
+        insert_recomputes(graph_def, [Recompute(relu.tensor, [relu.trigger])], step.graph)
+    with pytest.raises(RecomputeError, match="trigger names no node"):
+        insert_recomputes(graph_def, [Recompute(relu.tensor, relu.backward_consumers, "later")],
+                          step.graph)
+
+    @tf.function
+    def noisy(x):
+        return tf.random.uniform([3]) * x
+
+    graph = noisy.get_concrete_function(tf.TensorSpec([3])).graph
+    random = next(op for op in graph.get_operations() if op.type == "RandomUniform")
+    consumer = random.outputs[0].consumers()[0].name
+    with pytest.raises(RecomputeError, match="stateful"):
+        insert_recomputes(graph.as_graph_def(), [Recompute(random.outputs[0].name, [consumer])],
+                          graph)

@@ -1,0 +1,109 @@
+"""The recomputation pass: a kept activation made by a cheap op is made again for the backward pass.
+
+For each chosen tensor, its producer is cloned, reading the same inputs, and the backward
+consumers read the clone instead; the original is then freed after its last forward use. The
+clone waits, through a control edge, for the op named as its trigger, so that it runs just before
+it is needed rather than as soon as its inputs exist (which would keep it alive all along, as
+SuperNeurons' cost-aware recomputation avoids).
+
+Only ops that give the same result when run again may be cloned: stateful ops (random numbers,
+variable updates) are refused. The clone's inputs must stay alive until it runs; the planner only
+proposes tensors whose producers read kept tensors or variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+
+from tf_ucudnn.graph.functions import callable_over
+
+_NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Make `tensor` ("op:index") again for `backward_consumers`, after `trigger` ran (or as soon
+    as its inputs exist if None)."""
+
+    tensor: str
+    backward_consumers: tuple[str, ...]
+    trigger: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "backward_consumers", tuple(self.backward_consumers))
+
+    @property
+    def producer(self) -> str:
+        return self.tensor.rsplit(":", 1)[0]
+
+    @property
+    def output_index(self) -> int:
+        return int(self.tensor.rsplit(":", 1)[1]) if ":" in self.tensor else 0
+
+
+class RecomputeError(ValueError):
+    """A recomputation that cannot be made; names the tensor and the reason."""
+
+
+def recomputable(op: tf.Operation) -> Optional[str]:
+    """None if `op` may be cloned for recomputation, else why not."""
+    if op.type in _NEVER:
+        return f"{op.type} is cheaper to keep than to clone"
+    if op.op_def.is_stateful:
+        return f"{op.type} is stateful: running it again could give another result"
+    if any(t.dtype == tf.resource or t.dtype == tf.variant for t in op.inputs):
+        return f"{op.type} reads a resource or variant"
+    return None
+
+
+def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recompute],
+                      graph: Optional[tf.Graph] = None) -> graph_pb2.GraphDef:
+    """A copy of `graph_def` (its main graph) with the recomputations made. `graph`, the graph
+    `graph_def` came from, tells which ops are stateful (else the GraphDef is imported)."""
+    if graph is None:
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    result = graph_pb2.GraphDef()
+    result.CopyFrom(graph_def)
+    nodes = {node.name: node for node in result.node}
+    for recompute in recomputes:
+        producer = nodes.get(recompute.producer)
+        if producer is None:
+            raise RecomputeError(f"{recompute.tensor}: no node {recompute.producer!r}")
+        reason = recomputable(graph.get_operation_by_name(recompute.producer))
+        if reason:
+            raise RecomputeError(f"{recompute.tensor}: {reason}")
+        if recompute.trigger is not None and recompute.trigger not in nodes:
+            raise RecomputeError(f"{recompute.tensor}: the trigger names no node "
+                                 f"({recompute.trigger!r})")
+        clone = result.node.add()
+        clone.CopyFrom(producer)
+        clone.name = f"{producer.name}/ucudnn_recompute"
+        if recompute.trigger is not None:
+            clone.input.append(f"^{recompute.trigger}")
+        clone.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+        index = recompute.output_index
+        referring = ({producer.name, f"{producer.name}:0"} if index == 0
+                     else {f"{producer.name}:{index}"})
+        replacement = clone.name if index == 0 else f"{clone.name}:{index}"
+        for name in recompute.backward_consumers:
+            consumer = nodes.get(name)
+            if consumer is None:
+                raise RecomputeError(f"{recompute.tensor}: no backward consumer node {name!r}")
+            positions = [i for i, text in enumerate(consumer.input) if text in referring]
+            if not positions:
+                raise RecomputeError(f"{recompute.tensor}: {name} does not read it")
+            for i in positions:
+                consumer.input[i] = replacement
+    return result
+
+
+def recompute_function(function, recomputes: Sequence[Recompute]):
+    """A ConcreteFunction with the recomputations made, as a tf.function over the same inputs."""
+    graph_def = insert_recomputes(function.graph.as_graph_def(), recomputes, function.graph)
+    return callable_over(graph_def, function)
