@@ -58,7 +58,7 @@ def out_of_core_conv2d(x, filters, strides, padding, data_format: str = "NHWC",
         def grad(dy):
             dy_chunks = tf.split(dy, batch_sizes, axis=0)
             filter_shape = [*filters.shape[:-1]]
-            dx_chunks, dw_parts = [], []
+            dw_parts = []
 
             def backward(index):
                 def run(dy_chunk):
