@@ -1,6 +1,7 @@
 """The performance model on small steps worked out by hand (times in ms, sizes in bytes)."""
 
 import pytest
+import tensorflow as tf
 
 from tf_ucudnn.memory.performance_model import (
     BudgetError,
@@ -125,3 +126,26 @@ def test_plan_memory_recomputes_where_a_swap_cannot_hide():
     swapped = plan_memory(op_ms, tensors, LINK, budget_bytes=205)
     assert swapped.swaps == (SwapDecision("A", 2),) and not swapped.recomputes
     assert swapped.prediction.step_ms == pytest.approx(4.2)
+
+
+def test_roofline_estimates_of_op_times():
+    model = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e9, peak_flops=1e12, launch_ms=0.0)
+
+    @tf.function
+    def ops(a, b, x, w):
+        return tf.matmul(a, b), tf.nn.relu(a), tf.nn.conv2d(x, w, 1, "VALID")
+
+    graph = ops.get_concrete_function(
+        tf.TensorSpec([100, 200]), tf.TensorSpec([200, 300]), tf.TensorSpec([2, 5, 5, 3]),
+        tf.TensorSpec([3, 3, 3, 4])).graph
+    by_type = {op.type: op for op in graph.get_operations()}
+    # MatMul: 2 * 100 * 300 * 200 = 1.2e7 FLOPs -> 12 us; bytes (2e4 + 6e4 + 3e4) * 4 -> 440 us.
+    assert model.op_ms(by_type["MatMul"]) == pytest.approx(0.44)
+    # Relu: 2e4 floats in and out: 1.6e5 bytes -> 160 us.
+    assert model.op_ms(by_type["Relu"]) == pytest.approx(0.16)
+    # Conv2D: output 2x3x3x4 = 72 elements x 27 multiply-adds x 2 = 3888 FLOPs; bytes dominate.
+    conv_bytes = (2 * 25 * 3 + 108 + 72) * 4
+    assert model.op_ms(by_type["Conv2D"]) == pytest.approx(conv_bytes / 1e9 * 1e3)
+    fast_memory = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e15, peak_flops=1e9,
+                              launch_ms=0.0)
+    assert fast_memory.op_ms(by_type["Conv2D"]) == pytest.approx(3888 / 1e9 * 1e3)

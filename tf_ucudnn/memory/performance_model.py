@@ -25,11 +25,22 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class DeviceModel:
-    """What the model assumes of the machine: copy bandwidths in bytes per second."""
+    """What the model assumes of the machine: copy bandwidths in bytes per second, and for the
+    ops without measurements a roofline (device memory bandwidth, peak FLOP/s, launch cost)."""
 
     name: str
     device_to_host: float
     host_to_device: float
+    memory_bandwidth: float = 3.35e12  # H100 SXM HBM3, datasheet
+    peak_flops: float = 4.9e14  # H100 SXM dense TF32 tensor cores, datasheet
+    launch_ms: float = 0.005
+
+    def op_ms(self, op: tf.Operation) -> float:
+        """A roofline estimate of one op's time: its FLOPs at peak or its bytes at the memory
+        bandwidth, whichever is longer, plus a launch; tensors of unknown shape count as none."""
+        moved = sum(_bytes(t) for t in (*op.inputs, *op.outputs))
+        return self.launch_ms + 1e3 * max(_flops(op) / self.peak_flops,
+                                          moved / self.memory_bandwidth)
 
     @classmethod
     def measure(cls, device: str = "/GPU:0", size_bytes: int = 256 << 20,
@@ -58,6 +69,32 @@ class DeviceModel:
             tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
         return cls(name, device_to_host=rate(on_device, "/CPU:0"),
                    host_to_device=rate(on_host, device))
+
+
+def _bytes(tensor) -> int:
+    if tensor.dtype in (tf.resource, tf.variant) or not tensor.shape.is_fully_defined():
+        return 0
+    return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def _flops(op: tf.Operation) -> float:
+    """Multiply-adds x 2 of the matrix and convolution ops, from their static shapes."""
+    shapes = [t.shape for t in (*op.inputs, *op.outputs)]
+    if not all(shape.is_fully_defined() for shape in shapes):
+        return 0.0
+    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        a = op.inputs[0].shape
+        k = a[-2] if op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x") else a[-1]
+        return 2.0 * op.outputs[0].shape.num_elements() * k
+    if op.type.startswith(("Conv2D", "Conv3D", "UcudnnConv")):
+        # All three kernels of a convolution do the forward's work: for each output element,
+        # one multiply-add per filter element of its output channel.
+        backprop_filter = "BackpropFilter" in op.type
+        outputs = op.inputs[2] if "Backprop" in op.type else op.outputs[0]
+        filters = op.outputs[0] if backprop_filter else op.inputs[1]
+        return 2.0 * outputs.shape.num_elements() * (filters.shape.num_elements()
+                                                     // filters.shape[-1])
+    return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
