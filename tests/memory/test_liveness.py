@@ -1,0 +1,117 @@
+"""Liveness analysis: bytes held at each op, checked by hand on small graphs."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.memory.liveness import analyze
+
+
+def _chain():
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [10], name="a")  # 40 bytes
+        b = tf.math.square(a, name="b")  # 40
+        c = tf.reshape(b, [2, 5], name="c")  # b's buffer; its shape is a Const (8 bytes)
+        tf.math.exp(c, name="d")  # 40, read by nothing
+    return graph
+
+
+def test_a_chain_by_hand():
+    report = analyze(_chain())
+    # Ops: a, b, c/shape, c, d. a: op0-op1; b (and its alias c, read by d): op1-op4;
+    # the shape: op2-op3; d: op4 only.
+    assert [op.type for op in report.ops] == ["Placeholder", "Square", "Const", "Reshape", "Exp"]
+    assert [op.live_bytes for op in report.ops] == [40, 80, 48, 48, 80]
+    assert report.peak_bytes == 80 and report.peak_op == "b"
+    assert [(t.name, t.bytes) for t in report.tensors] == [("a:0", 40), ("b:0", 40),
+                                                          ("c/shape:0", 8), ("d:0", 40)]
+    assert report.kept() == [] and report.unknown_size == [] and report.persistent_bytes == 0
+
+
+def test_a_graphdef_gives_the_same_answer():
+    report = analyze(_chain().as_graph_def())
+    assert [op.live_bytes for op in report.ops] == [40, 80, 48, 48, 80]
+
+
+def test_a_diamond_keeps_the_shared_tensor_across_the_branch():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [25], name="x")  # 100 bytes
+        left = tf.math.sin(x, name="left")  # 100
+        right = tf.math.cos(left, name="right")  # 100
+        tf.math.add(x, right, name="sum")  # 100, reads x again at the end
+    report = analyze(graph)
+    # x lives to the end (op3); left op1-op2; right op2-op3; sum op3.
+    assert [op.live_bytes for op in report.ops] == [100, 200, 300, 300]
+
+
+def test_unknown_shapes_are_listed_not_guessed():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        tf.math.square(x, name="y")
+    report = analyze(graph)
+    assert report.unknown_size == ["x:0", "y:0"]
+    assert report.peak_bytes == 0
+    assert "2 tensor(s) of unknown size" in report.to_text()
+
+
+def _training_step():
+    tf.keras.utils.set_random_seed(7)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((8, 8, 3)),
+        layers.Conv2D(4, 3, padding="same", activation="relu"),
+        layers.Conv2D(4, 3, padding="same"),
+        layers.GlobalAveragePooling2D(), layers.Dense(2),
+    ])
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step.get_concrete_function(tf.TensorSpec([2, 8, 8, 3]), tf.TensorSpec([2], tf.int32))
+
+
+def test_a_training_step_keeps_the_convolution_inputs(tmp_path):
+    step = _training_step()
+    report = analyze(step)
+    kept = {t.name: t for t in report.kept()}
+    conv_inputs = [op.inputs[0].name for op in step.graph.get_operations()
+                   if op.type == "Conv2D" and "gradient" not in op.name]
+    assert len(conv_inputs) == 2 and all(name in kept for name in conv_inputs)
+    assert kept[conv_inputs[0]].bytes == 2 * 8 * 8 * 3 * 4
+    # Parameters: 3*3*3*4 + 4 + 3*3*4*4 + 4 + 4*2 + 2 floats.
+    assert report.persistent_bytes == (108 + 4 + 144 + 4 + 8 + 2) * 4
+    # At the first backward op, every kept tensor is held.
+    first_backward = next(i for i, op in enumerate(report.ops) if op.backward)
+    assert report.ops[first_backward].live_bytes >= sum(t.bytes for t in report.kept())
+    assert report.peak_bytes >= sum(t.bytes for t in report.kept())
+    json.dumps(report.to_json())
+    assert "tensors kept for the backward pass" in report.to_text()
+    path = tmp_path / "timeline.png"
+    report.plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_function_calls_are_listed():
+    @tf.function
+    def inner(x):
+        return x * 2.0
+
+    @tf.function
+    def outer(x):
+        return inner(x) + 1.0
+
+    report = analyze(outer.get_concrete_function(tf.TensorSpec([4])))
+    assert len(report.function_calls) == 1
+
+
+def test_other_targets_are_refused():
+    with pytest.raises(TypeError, match="GraphDef, a tf.Graph or a ConcreteFunction"):
+        analyze("graph.pbtxt")

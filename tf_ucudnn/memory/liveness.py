@@ -1,0 +1,185 @@
+"""Liveness analysis of a training step: which tensors are on the device at each op, and the peak.
+
+The ops run in the graph's own order (`tf.Graph.get_operations()`: the order tracing created them,
+a topological order, which is also the order TensorFlow's executor mostly follows on one stream).
+A tensor is held from the start of its producer to the end of its last consumer; a tensor nothing
+reads is held during its producer only, unless the step returns it. Ops that hand on their input's
+buffer (Identity, Reshape, ...) make no new tensor: they extend the life of the one they read.
+Variables are persistent, counted apart; function calls count as one op (listed in the report),
+so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside them.
+
+Tensors made by the forward pass and read by the gradient ops that `tf.GradientTape` put under a
+`gradient_tape/` (or `gradients/`) name scope are the kept activations that swapping and
+recomputation act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from tf_ucudnn.memory.performance_model import TensorUse
+
+# Ops whose output is their input's buffer.
+ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot",
+                "EnsureShape", "PreventGradient"}
+CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
+BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOp:
+    name: str
+    type: str
+    backward: bool
+    live_bytes: int  # held on the device while it runs
+
+
+@dataclasses.dataclass
+class LivenessReport:
+    ops: list[StepOp]
+    tensors: list[TensorUse]  # one per buffer, indices into `ops`
+    persistent_bytes: int  # variables
+    unknown_size: list[str]  # tensors of unknown shape, counted as 0 bytes
+    function_calls: list[str]  # call ops counted as one op, their insides unseen
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((op.live_bytes for op in self.ops), default=0)
+
+    @property
+    def peak_op(self) -> Optional[str]:
+        return max(self.ops, key=lambda op: op.live_bytes).name if self.ops else None
+
+    def kept(self) -> list[TensorUse]:
+        """Tensors the forward pass makes for the backward pass, largest first."""
+        return sorted((t for t in self.tensors if t.backward_consumers
+                       and not self.ops[t.producer].backward), key=lambda t: -t.bytes)
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
+                "persistent_bytes": self.persistent_bytes,
+                "ops": [dataclasses.asdict(op) for op in self.ops],
+                "kept": [dataclasses.asdict(t) for t in self.kept()],
+                "unknown_size": self.unknown_size, "function_calls": self.function_calls}
+
+    def to_text(self) -> str:
+        kept = self.kept()
+        lines = [f"{len(self.ops)} ops; peak {self.peak_bytes / MIB:.1f} MiB of tensors at "
+                 f"{self.peak_op}, plus {self.persistent_bytes / MIB:.1f} MiB of variables; "
+                 f"{len(kept)} tensors kept for the backward pass "
+                 f"({sum(t.bytes for t in kept) / MIB:.1f} MiB)"]
+        lines += [f"  kept {t.name}: {t.bytes / MIB:.2f} MiB, made at op {t.producer}, read "
+                  f"back at op {t.backward_consumers[0]}" for t in kept[:5]]
+        if self.unknown_size:
+            lines.append(f"  {len(self.unknown_size)} tensor(s) of unknown size counted as 0, "
+                         f"e.g. {', '.join(self.unknown_size[:3])}")
+        if self.function_calls:
+            lines.append(f"  {len(self.function_calls)} function call(s) counted as one op each: "
+                         f"{', '.join(self.function_calls[:3])}")
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> None:
+        """The memory timeline as a PNG: bytes held at each op, the backward pass shaded."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+
+        figure, axes = pyplot.subplots(figsize=(10, 4))
+        live = [op.live_bytes / MIB for op in self.ops]
+        axes.plot(range(len(live)), live, linewidth=1, label="tensors on the device")
+        backward = [i for i, op in enumerate(self.ops) if op.backward]
+        if backward:
+            axes.axvspan(backward[0], backward[-1], alpha=0.1, label="backward pass")
+        peak = max(range(len(live)), key=live.__getitem__) if live else 0
+        if live:
+            axes.annotate(f"peak {live[peak]:.1f} MiB\n{self.ops[peak].name}", (peak, live[peak]),
+                          fontsize=7)
+        axes.set_xlabel("op, in execution order")
+        axes.set_ylabel("MiB")
+        axes.legend(loc="upper left")
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        pyplot.close(figure)
+
+
+def _graph_of(target) -> tuple[tf.Graph, set[str]]:
+    """The graph, and the names of the tensors it returns."""
+    if isinstance(target, graph_pb2.GraphDef):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(target, name="")
+        return graph, set()
+    if isinstance(target, tf.Graph):
+        return target, set()
+    if hasattr(target, "graph") and hasattr(target, "outputs"):
+        return target.graph, {t.name for t in target.outputs}
+    raise TypeError(f"analyze takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
+                    f"{type(target).__name__}")
+
+
+def _size(tensor: tf.Tensor) -> Optional[int]:
+    if tensor.dtype in (tf.resource, tf.variant):
+        return 0
+    if not tensor.shape.is_fully_defined():
+        return None
+    return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def analyze(target) -> LivenessReport:
+    """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
+    graph, returned = _graph_of(target)
+    operations = graph.get_operations()
+    is_backward = [op.name.startswith(BACKWARD_SCOPES) or
+                   any(f"/{scope}" in op.name for scope in BACKWARD_SCOPES)
+                   for op in operations]
+
+    # Each tensor's buffer: itself, or for aliasing ops the buffer of their input.
+    buffer_of: dict[str, str] = {}
+    for op in operations:
+        for output in op.outputs:
+            alias = op.type in ALIASING_OPS and op.inputs and \
+                op.inputs[0].dtype not in (tf.resource, tf.variant)
+            buffer_of[output.name] = buffer_of[op.inputs[0].name] if alias else output.name
+
+    persistent, unknown, sizes = 0, [], {}
+    producers: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}
+    for i, op in enumerate(operations):
+        for output in op.outputs:
+            if buffer_of[output.name] != output.name:
+                continue
+            size = _size(output)
+            if size is None:
+                unknown.append(output.name)
+                size = 0
+            if op.type == "ReadVariableOp":  # the variable's own buffer
+                persistent += size
+                size = 0
+            sizes[output.name] = size
+            producers[output.name] = i
+            readers[output.name] = set()
+        for tensor in op.inputs:
+            readers[buffer_of[tensor.name]].add(i)
+    last = len(operations) - 1
+    for name in returned:
+        readers[buffer_of[name]].add(last)
+
+    tensors, live = [], [0] * len(operations)
+    for name, producer in producers.items():
+        consumers = sorted(readers[name])
+        backward = tuple(c for c in consumers if is_backward[c] and not is_backward[producer])
+        tensors.append(TensorUse(name, sizes[name], producer, tuple(consumers), backward))
+        for i in range(producer, max(consumers, default=producer) + 1):
+            live[i] += sizes[name]
+    ops = [StepOp(op.name, op.type, is_backward[i], live[i])
+           for i, op in enumerate(operations)]
+    return LivenessReport(ops=ops, tensors=tensors, persistent_bytes=persistent,
+                          unknown_size=unknown,
+                          function_calls=[op.name for op in operations if op.type in CALL_OPS])
