@@ -57,9 +57,11 @@ class LivenessReport:
         return max(self.ops, key=lambda op: op.live_bytes).name if self.ops else None
 
     def kept(self) -> list[TensorUse]:
-        """Tensors the forward pass makes for the backward pass, largest first."""
-        return sorted((t for t in self.tensors if t.backward_consumers
-                       and not self.ops[t.producer].backward), key=lambda t: -t.bytes)
+        """Tensors the forward pass makes for the backward pass, largest first (the step's
+        inputs are the caller's, and variables persistent: neither counts)."""
+        return sorted((t for t in self.tensors if t.backward_consumers and t.bytes
+                       and not self.ops[t.producer].backward
+                       and self.ops[t.producer].type != "Placeholder"), key=lambda t: -t.bytes)
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "peak_op": self.peak_op,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Collection, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -268,6 +268,8 @@ class MemoryDecisions:
 def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
+                candidates: Optional[Collection[str]] = None,
+                prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
                 candidates_per_round: int = 8) -> MemoryDecisions:
     """Swaps and recomputations chosen greedily until the predicted peak fits the budget.
 
@@ -275,7 +277,10 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
     the latest prefetch of all; recomputing where `recompute_ms` gives its cost), the one that
     keeps the predicted step shortest. Raises BudgetError, saying by how much the
-    budget is missed, when no kept tensor alive at the peak is left to choose.
+    budget is missed, when no kept tensor alive at the peak is left to choose. `candidates`
+    limits the choice to these tensors (default: every kept tensor of nonzero size);
+    `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use (or
+    before the tensor's last forward use, if there is none).
     """
     recompute_ms = recompute_ms or {}
     swaps: list[SwapDecision] = []
@@ -283,7 +288,9 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes)
     while prediction.peak_bytes > budget_bytes:
         decided = {d.tensor for d in swaps} | {d.tensor for d in recomputes}
-        alive = sorted((t for t in tensors if t.backward_consumers and t.name not in decided
+        alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
+                        and (candidates is None or t.name in candidates)
+                        and t.name not in decided
                         and t.producer <= prediction.peak_op <= t.consumers[-1]),
                        key=lambda t: -t.bytes)[:candidates_per_round]
         if not alive:
@@ -292,6 +299,10 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
         for tensor in alive:
             for prefetch in {latest_hiding_prefetch(tensor, op_ms, model),
                              tensor.backward_consumers[0] - 1}:
+                if prefetch_point is not None:
+                    prefetch = prefetch_point(tensor, prefetch)
+                    if prefetch < tensor.last_forward_use:
+                        continue  # no op the graph can use between its forward and backward uses
                 options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputes))
             if tensor.name in recompute_ms:
                 options.append((swaps, [*recomputes,

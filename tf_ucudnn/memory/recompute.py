@@ -86,6 +86,8 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
         clone.name = f"{producer.name}/ucudnn_recompute"
         if recompute.trigger is not None:
             clone.input.append(f"^{recompute.trigger}")
+            nodes[recompute.trigger].attr["_grappler_do_not_remove"].CopyFrom(
+                attr_value_pb2.AttrValue(b=True))
         clone.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
         index = recompute.output_index
         referring = ({producer.name, f"{producer.name}:0"} if index == 0

@@ -11,7 +11,9 @@ the tensor is back on the device long before it is needed.
 Why explicit Identity nodes rather than Grappler's own swapping (the `_swap_to_host` hint of its
 memory optimizer): Grappler swaps only on GPU graphs and schedules the swap-in by its own cost
 model, so the decision could not be tested on the CPU nor follow our performance model. The nodes
-are marked `_grappler_do_not_remove`, so Grappler's dependency and arithmetic optimizers keep them.
+and the prefetch ops are marked `_grappler_do_not_remove`, so Grappler's optimizers keep them as
+they are (constant folding, for one, would otherwise turn a prefetch op reading a shape into a
+constant and hand its control edges on).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
                                   device=producer.device or device, input=[swap_out.name])
         if swap.prefetch_after is not None:
             swap_in.input.append(f"^{swap.prefetch_after}")
+            # Folded or pruned by Grappler, the prefetch op could drag the edge elsewhere.
+            _protected(nodes[swap.prefetch_after])
         for node in (swap_out, swap_in):
             node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype.as_datatype_enum))
             _protected(node)
