@@ -69,7 +69,9 @@ def _recompute_costs(graph: tf.Graph, report: LivenessReport, op_ms) -> dict[str
         first_backward = tensor.backward_consumers[0]
         direct = all(any(read.name == tensor.name for read in operations[i].inputs)
                      for i in tensor.backward_consumers)
-        if direct and all(last_use.get(t.name, first_backward) >= first_backward for t in producer.inputs):
+        held = all(last_use.get(t.name, first_backward) >= first_backward
+                   for t in producer.inputs)
+        if direct and held:
             costs[tensor.name] = op_ms[tensor.producer]
     return costs
 
