@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tf_ucudnn import models
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
-from tf_ucudnn.graph.rewrite import rewrite
+from tf_ucudnn import rewrite
 from tf_ucudnn.plan import KERNELS
 from tf_ucudnn.planner import DatabasePlanner
 from tf_ucudnn.profiling import ProfileDatabase

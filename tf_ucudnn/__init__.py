@@ -16,7 +16,8 @@ from tf_ucudnn.ops import (
 )
 from tf_ucudnn.callback import MicroBatchCallback
 from tf_ucudnn.converter import ConversionError, Converter
-from tf_ucudnn.graph.rewrite import RewriteReport, rewrite
+from tf_ucudnn.api import rewrite
+from tf_ucudnn.graph.rewrite import RewriteReport
 from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.planner import DatabasePlanner
 

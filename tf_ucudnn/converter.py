@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import tensorflow as tf
 
 from tf_ucudnn.graph.conv_layers import ConvLayer
-from tf_ucudnn.graph.rewrite import RewriteReport, rewrite
+from tf_ucudnn.graph.rewrite import RewriteReport, rewrite_convolutions
 from tf_ucudnn.plan import LayerPlan
 from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
 
@@ -122,7 +122,7 @@ class Converter:
                     f"dimension to set to {self.batch_size}")
             fixed[name] = tf.TensorSpec([self.batch_size, *spec.shape[1:]], spec.dtype, name)
         traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
-        planned, report = rewrite(traced, planner, inline_functions=True)
+        planned, report = rewrite_convolutions(traced, planner, inline_functions=True)
         names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
         planned_shape = tf.constant([self.batch_size], tf.int64)
 

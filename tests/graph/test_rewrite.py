@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.graph.rewrite import rewrite
+from tf_ucudnn.graph.rewrite import rewrite_convolutions
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 
 
@@ -55,7 +55,7 @@ def test_rewritten_training_step_gives_the_same_loss_and_gradients(build):
 
     concrete = step.get_concrete_function(tf.TensorSpec([6, 12, 12, 3]),
                                           tf.TensorSpec([6], tf.int32))
-    rewritten, report = rewrite(concrete, _split_plan)
+    rewritten, report = rewrite_convolutions(concrete, _split_plan)
     convs = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Conv2D)]
     assert len(report.layers) == len(convs)
     assert report.left_alone == []
@@ -92,7 +92,7 @@ def test_plans_reach_the_nodes_and_refusals_are_reported():
     concrete = step.get_concrete_function(tf.TensorSpec([6, 8, 8, 3]))
     plan = LayerPlan(KernelPlan.of((2, 0), (4, 1)), KernelPlan.of((3, 1), (3, 1)),
                      KernelPlan.of((1, 0), (5, 1)))
-    rewritten, report = rewrite(
+    rewritten, report = rewrite_convolutions(
         concrete, lambda layer: plan if layer.filter_shape[-1] == 4 else "no gain expected")
     assert [item.layer.filter_shape for item in report.layers] == [(3, 3, 3, 4)]
     reasons = {item.node: item.reason for item in report.left_alone}
@@ -127,7 +127,7 @@ def test_convolutions_inside_library_functions():
 
     concrete = outer.get_concrete_function(tf.TensorSpec([4, 6, 6, 2]))
     assert not any(op.type == "Conv2D" for op in concrete.graph.get_operations())
-    rewritten, report = rewrite(concrete, _split_plan)
+    rewritten, report = rewrite_convolutions(concrete, _split_plan)
     assert len(report.layers) == 1 and report.layers[0].scope != ""
     assert report.layers[0].scope in report.to_text()
     graph_def = rewritten.get_concrete_function().graph.as_graph_def()
@@ -142,8 +142,8 @@ def test_unknown_shapes_and_bad_targets():
     def forward(x):
         return tf.nn.conv2d(x, tf.ones([3, 3, 3, 4]), 1, "SAME")
 
-    _, report = rewrite(forward.get_concrete_function(), _split_plan)
+    _, report = rewrite_convolutions(forward.get_concrete_function(), _split_plan)
     assert report.layers == []
     assert "not fully known" in report.left_alone[0].reason
     with pytest.raises(TypeError, match="get_concrete_function"):
-        rewrite(forward, _split_plan)
+        rewrite_convolutions(forward, _split_plan)

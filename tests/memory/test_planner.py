@@ -4,43 +4,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.memory.performance_model import BudgetError, DeviceModel
+from tf_ucudnn.memory.performance_model import BudgetError
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
-
-# A slow link and fast compute: swaps show their cost, recomputation is cheap.
-MODEL = DeviceModel("test", device_to_host=1e9, host_to_device=1e9, memory_bandwidth=1e11,
-                    peak_flops=1e12, launch_ms=0.001)
-
-
-def _training_step():
-    tf.keras.utils.set_random_seed(11)
-    layers = tf.keras.layers
-    model = tf.keras.Sequential([
-        tf.keras.Input((16, 16, 3)),
-        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
-        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
-        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
-        layers.MaxPooling2D(), layers.Conv2D(8, 3, padding="same", activation="relu"),
-        layers.GlobalAveragePooling2D(), layers.Dense(5),
-    ])
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return step.get_concrete_function(tf.TensorSpec([8, 16, 16, 3]), tf.TensorSpec([8], tf.int32))
+from training_steps import SLOW_LINK, conv_training_step
 
 
 def test_a_budget_below_the_peak_is_met_with_the_same_results():
-    step = _training_step()
-    unplanned = plan_step_memory(step, 1 << 40, MODEL)
+    step = conv_training_step()
+    unplanned = plan_step_memory(step, 1 << 40, SLOW_LINK)
     peak = unplanned.decisions.prediction.peak_bytes
     assert not unplanned.swaps and not unplanned.recomputes
     budget = int(peak * 0.85)
-    plan = plan_step_memory(step, budget, MODEL)
+    plan = plan_step_memory(step, budget, SLOW_LINK)
     assert plan.decisions.prediction.peak_bytes <= budget
     assert plan.swaps or plan.recomputes
     # The step's own input is the caller's: swapping it would free nothing.
@@ -57,8 +32,8 @@ def test_a_budget_below_the_peak_is_met_with_the_same_results():
 
 
 def test_an_impossible_budget_says_by_how_much():
-    step = _training_step()
+    step = conv_training_step()
     with pytest.raises(BudgetError, match="cannot be met") as error:
-        plan_step_memory(step, 1 << 10, MODEL)
+        plan_step_memory(step, 1 << 10, SLOW_LINK)
     assert error.value.shortfall_bytes > 0
     assert error.value.prediction.peak_bytes - error.value.shortfall_bytes == 1 << 10

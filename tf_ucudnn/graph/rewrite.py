@@ -64,10 +64,12 @@ class LeftAlone:
 class RewriteReport:
     layers: list = dataclasses.field(default_factory=list)
     left_alone: list = dataclasses.field(default_factory=list)
+    memory: Optional[object] = None  # a tf_ucudnn.memory.planner.MemoryPlan, when one was made
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
-                "left_alone": [dataclasses.asdict(item) for item in self.left_alone]}
+                "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
+                "memory": self.memory.to_json() if self.memory else None}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -78,6 +80,8 @@ class RewriteReport:
         for item in self.left_alone:
             where = f" (in {item.scope})" if item.scope else ""
             lines.append(f"  left alone {item.node}{where}: {item.reason}")
+        if self.memory:
+            lines.append(self.memory.to_text())
         return "\n".join(lines)
 
 
@@ -186,28 +190,14 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
     return rewritten, report
 
 
-def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit=None,
-            workspace_budget=None, inline_functions: bool = False, **planner_options):
+def rewrite_convolutions(target, planner: Planner, *, inline_functions: bool = False):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
     inputs, outputs and captured variables, running the rewritten graph. With `inline_functions`,
     a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
     calls) are inlined first, so that their convolutions get the caller's fully known shapes.
-
-    Plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason), or else from
-    a `DatabasePlanner` for `workspace_limit` per kernel (bytes, or a size such as "64MiB") and/or
-    a `workspace_budget` shared by all kernels; `planner_options` go to `DatabasePlanner.open`.
     """
-    if planner is None:
-        from tf_ucudnn.planner import DatabasePlanner  # the planner imports this package
-
-        with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
-                                  **planner_options) as default_planner:
-            return rewrite(target, default_planner, inline_functions=inline_functions)
-    if workspace_limit is not None or workspace_budget is not None or planner_options:
-        raise ValueError("workspace_limit, workspace_budget and planner options are for the "
-                         "default planner; a given planner has its own")
     if isinstance(target, graph_pb2.GraphDef):
         return rewrite_graph_def(target, planner)
     if isinstance(target, tf.Graph):

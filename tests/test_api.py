@@ -1,0 +1,50 @@
+"""tf_ucudnn.rewrite: convolution plans and the memory plan, put together on a training step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ucudnn
+from tf_ucudnn.memory import BudgetError
+from tf_ucudnn.plan import KernelPlan, LayerPlan
+from training_steps import SLOW_LINK, conv_training_step
+
+
+def _split(layer):
+    batch = layer.batch_size
+    halves = KernelPlan.of((batch // 2, 0), (batch - batch // 2, 1))
+    return LayerPlan(halves, halves, halves)
+
+
+def test_convolutions_and_memory_planned_together_give_the_same_step():
+    step = conv_training_step()
+    _, unplanned = tf_ucudnn.rewrite(step, memory_budget=1 << 40, device_model=SLOW_LINK)
+    peak = unplanned.memory.decisions.prediction.peak_bytes
+    rewritten, report = tf_ucudnn.rewrite(step, _split, memory_budget=int(peak * 0.85),
+                                          device_model=SLOW_LINK)
+    assert len(report.layers) == 4
+    assert report.memory.swaps or report.memory.recomputes
+    assert report.memory.decisions.prediction.peak_bytes <= peak * 0.85
+    assert "memory plan for a" in report.to_text() and report.to_json()["memory"]
+    x = tf.random.stateless_normal([8, 16, 16, 3], seed=[7, 8])
+    y = tf.range(8) % 5
+    loss, grads = step(x, y)
+    new_loss, new_grads = rewritten(x, y)
+    np.testing.assert_allclose(new_loss.numpy(), loss.numpy(), rtol=1e-5)
+    for a, b in zip(new_grads, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_an_impossible_memory_budget_raises_before_anything_runs():
+    with pytest.raises(BudgetError, match="cannot be met"):
+        tf_ucudnn.rewrite(conv_training_step(), memory_budget="1KiB", device_model=SLOW_LINK)
+
+
+def test_bad_requests_are_refused():
+    step = conv_training_step()
+    with pytest.raises(ValueError, match="nothing to plan"):
+        tf_ucudnn.rewrite(step)
+    with pytest.raises(TypeError, match="memory_budget plans a training step"):
+        tf_ucudnn.rewrite(step.graph.as_graph_def(), memory_budget="1GiB", device_model=SLOW_LINK)
+    with pytest.raises(ValueError, match="for the default planner"):
+        tf_ucudnn.rewrite(step, _split, workspace_limit="64MiB")

@@ -1,0 +1,32 @@
+"""A small training step and a device model, shared by the memory planner's and rewrite's tests."""
+
+import tensorflow as tf
+
+from tf_ucudnn.memory.performance_model import DeviceModel
+
+# A slow link and fast compute: swaps show their cost, recomputation is cheap.
+SLOW_LINK = DeviceModel("test", device_to_host=1e9, host_to_device=1e9, memory_bandwidth=1e11,
+                        peak_flops=1e12, launch_ms=0.001)
+
+
+def conv_training_step():
+    """Four convolutions with ReLUs and a pooling, batch 8, as a ConcreteFunction with gradients."""
+    tf.keras.utils.set_random_seed(11)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((16, 16, 3)),
+        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
+        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
+        layers.Conv2D(16, 3, padding="same"), layers.ReLU(),
+        layers.MaxPooling2D(), layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(), layers.Dense(5),
+    ])
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step.get_concrete_function(tf.TensorSpec([8, 16, 16, 3]), tf.TensorSpec([8], tf.int32))

@@ -1,0 +1,82 @@
+"""`tf_ucudnn.rewrite`: the graph passes put together, with their planners built from options.
+
+    fast_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB")
+    big_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB", memory_budget="16GiB")
+
+Convolutions are rewritten first (their plans bound each kernel's workspace); with a memory budget
+the rewritten training step then gets the swaps and recomputations that fit its tensors in the
+budget.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from tf_ucudnn.graph.rewrite import Planner, RewriteReport, rewrite_convolutions
+from tf_ucudnn.planner import DatabasePlanner, parse_bytes
+
+Size = Union[int, str, None]
+
+
+def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size = None,
+            workspace_budget: Size = None, memory_budget: Size = None, device_model=None,
+            inline_functions: bool = False, **planner_options):
+    """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
+
+    A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
+    inputs, outputs and captured variables. With `inline_functions`, a ConcreteFunction's calls to
+    other functions (a restored SavedModel's signatures are such calls) are inlined first.
+
+    Convolution plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason),
+    or from a `DatabasePlanner` for `workspace_limit` per kernel and/or a `workspace_budget`
+    shared by all kernels (bytes, or sizes such as "64MiB"); `planner_options` go to
+    `DatabasePlanner.open`. Without any of these the convolutions are left as they are.
+
+    `memory_budget` (a ConcreteFunction of a training step only) plans swaps and recomputations
+    so that the step's tensors and variables fit, with `device_model` (a
+    `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given). A budget that cannot be met
+    raises `tf_ucudnn.memory.BudgetError`, saying by how much.
+    """
+    plans_convolutions = planner is not None or workspace_limit is not None or \
+        workspace_budget is not None
+    if planner is not None and (workspace_limit is not None or workspace_budget is not None
+                                or planner_options):
+        raise ValueError("workspace_limit, workspace_budget and planner options are for the "
+                         "default planner; a given planner has its own")
+    if not plans_convolutions and memory_budget is None:
+        raise ValueError("nothing to plan: give a planner, a workspace_limit, a "
+                         "workspace_budget or a memory_budget")
+    if memory_budget is not None and not _is_function(target):
+        raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
+                        f"(got {type(target).__name__})")
+
+    report = RewriteReport()
+    rewritten = target
+    if plans_convolutions:
+        if planner is None:
+            with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
+                                      **planner_options) as default_planner:
+                rewritten, report = rewrite_convolutions(target, default_planner,
+                                                         inline_functions=inline_functions)
+        else:
+            rewritten, report = rewrite_convolutions(target, planner,
+                                                     inline_functions=inline_functions)
+    elif inline_functions and _is_function(target):
+        from tf_ucudnn.graph.functions import inline_function_calls
+
+        rewritten = inline_function_calls(target)
+    if memory_budget is None:
+        return rewritten, report
+
+    from tf_ucudnn.memory import DeviceModel
+    from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+
+    step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
+        else rewritten
+    report.memory = plan_step_memory(step, parse_bytes(memory_budget),
+                                     device_model or DeviceModel.measure())
+    return apply_memory_plan(step, report.memory), report
+
+
+def _is_function(target) -> bool:
+    return hasattr(target, "graph") and hasattr(target, "captured_inputs")
