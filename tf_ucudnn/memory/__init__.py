@@ -1,5 +1,5 @@
 """Training beyond device memory: liveness analysis, the performance model that plans swapping and
-recomputation, the passes that make them, and out-of-core convolution."""
+recomputation, the passes that make them, out-of-core convolution, and the batch-size tuner."""
 
 from tf_ucudnn.memory.liveness import LivenessReport, analyze
 from tf_ucudnn.memory.out_of_core import out_of_core_conv2d
@@ -12,9 +12,10 @@ from tf_ucudnn.memory.performance_model import (
 )
 from tf_ucudnn.memory.recompute import Recompute, insert_recomputes
 from tf_ucudnn.memory.swap import Swap, insert_swaps
+from tf_ucudnn.memory.tuner import TuningReport, keras_training_step, tune_batch_size
 
 __all__ = [
     "BudgetError", "DeviceModel", "LivenessReport", "MemoryDecisions", "Recompute", "Swap",
-    "analyze", "insert_recomputes", "insert_swaps", "out_of_core_conv2d", "plan_memory",
-    "predict",
+    "TuningReport", "analyze", "insert_recomputes", "insert_swaps", "keras_training_step",
+    "out_of_core_conv2d", "plan_memory", "predict", "tune_batch_size",
 ]

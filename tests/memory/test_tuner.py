@@ -1,0 +1,50 @@
+"""The batch-size tuner: the best predicted images per second that fits, and why others do not."""
+
+import tensorflow as tf
+
+from tf_ucudnn.memory.performance_model import DeviceModel
+from tf_ucudnn.memory.planner import plan_step_memory
+from tf_ucudnn.memory.tuner import keras_training_step, tune_batch_size
+
+LINK = DeviceModel("test", device_to_host=1e10, host_to_device=1e10, memory_bandwidth=1e11,
+                   peak_flops=1e12, launch_ms=0.01)
+
+
+def _model():
+    tf.keras.utils.set_random_seed(2)
+    layers = tf.keras.layers
+    return tf.keras.Sequential([
+        tf.keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(), layers.Dense(3),
+    ])
+
+
+def test_the_largest_batch_that_fits_wins_when_launches_dominate():
+    model = _model()
+    steps = {batch: keras_training_step(model, batch) for batch in (4, 8, 16, 64)}
+    # A budget between the unplanned peaks of batch 16 and 64.
+    peaks = {batch: plan_step_memory(step, 1 << 40, LINK).decisions.prediction.peak_bytes
+             for batch, step in steps.items()}
+    assert peaks[4] < peaks[8] < peaks[16] < peaks[64]
+    budget = (peaks[16] + peaks[64]) // 2
+    report = tune_batch_size(steps.__getitem__, steps, budget, LINK)
+    assert [t.batch_size for t in report.trials] == [4, 8, 16, 64]
+    fitting = [t for t in report.trials if t.images_per_second]
+    assert all(t.peak_bytes <= budget for t in fitting)
+    # Per-op launch costs dominate these tiny steps: more images per step, more per second.
+    rates = [t.images_per_second for t in fitting]
+    assert rates == sorted(rates)
+    assert report.best == max(fitting, key=lambda t: t.images_per_second)
+    assert report.plan is not None and "best: batch" in report.to_text()
+    report.to_json()
+
+
+def test_batches_that_cannot_fit_say_so():
+    model = _model()
+    steps = {batch: keras_training_step(model, batch) for batch in (4, 8)}
+    report = tune_batch_size(steps.__getitem__, steps, 1 << 10, LINK)
+    assert report.best is None and report.plan is None
+    assert all("cannot be met" in t.reason for t in report.trials)
+    assert "no batch size fits" in report.to_text()
