@@ -137,3 +137,44 @@ def test_while_training_the_layers_run_tf_ucudnn_ops():
     _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0), Probe()],
          epochs=1)
     assert "UcudnnConv2D" in seen["types"]
+
+
+def test_with_a_memory_budget_training_follows_the_memory_plan():
+    from training_steps import SLOW_LINK
+
+    probe = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+                               device_model=SLOW_LINK, verbose=0)
+    _fit(_vgg_style, [probe], epochs=1)
+    unplanned_peak = probe.report.memory.decisions.prediction.peak_bytes
+    assert not probe.report.memory.swaps and not probe.report.memory.recomputes
+
+    plain, plain_history = _fit(_vgg_style, [])
+    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=int(
+        unplanned_peak * 0.9), device_model=SLOW_LINK, verbose=0)
+    trained_by = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            trained_by.append(self.model.train_function.__qualname__)
+
+    planned, history = _fit(_vgg_style, [callback, Probe()])
+    # After the first step, the memory-planned step trains.
+    assert all("_plan_memory" in name for name in trained_by) and len(trained_by) == 9
+    memory = callback.report.memory
+    assert memory.swaps or memory.recomputes
+    assert memory.decisions.prediction.peak_bytes <= unplanned_peak * 0.9
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "train_step" not in vars(planned)
+
+
+def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
+    from training_steps import SLOW_LINK
+
+    from tf_ucudnn.memory import BudgetError
+
+    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget="1KiB",
+                                  device_model=SLOW_LINK, verbose=0)
+    with pytest.raises(BudgetError, match="cannot be met"):
+        _fit(_vgg_style, [callback], epochs=1)

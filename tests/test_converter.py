@@ -161,3 +161,28 @@ def test_a_failed_save_leaves_no_partial_output(converted, tmp_path, monkeypatch
     with pytest.raises(OSError, match="disk full"):
         converter.save(str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_memory_budget_is_checked_per_signature(saved_model, tmp_path):
+    from training_steps import SLOW_LINK
+
+    from tf_ucudnn.memory import BudgetError
+
+    path, model = saved_model
+    roomy = Converter(path, batch_size=BATCH, planner=split_in_two, memory_budget="1GiB",
+                      device_model=SLOW_LINK)
+    roomy.convert()
+    for report in roomy.reports.values():
+        assert report.memory.decisions.prediction.peak_bytes <= 1 << 30
+        assert "memory plan for a 1024.0 MiB budget" in report.to_text()
+    roomy.save(str(tmp_path / "out"))
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    signature = loaded.signatures["serving_default"]
+    (name,) = signature.structured_input_signature[1]
+    x = np.random.RandomState(2).rand(BATCH, 12, 12, 3).astype("float32")
+    (output,) = signature(**{name: tf.constant(x)}).values()
+    np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    tight = Converter(path, batch_size=BATCH, planner=split_in_two, memory_budget="1KiB",
+                      device_model=SLOW_LINK)
+    with pytest.raises(BudgetError, match="cannot be met"):
+        tight.convert()

@@ -60,16 +60,28 @@ class MicroBatchCallback(keras.callbacks.Callback):
         `DatabasePlanner` over `database`, which on a GPU measures what it lacks.
       database: the profile database file of the default planner.
       profiles: JSON-lines profile files the default planner imports first.
+      memory_budget: optionally, the device memory the training step must fit in (bytes or a
+        size); the step is then traced at the real batch size and trained with the swaps and
+        recomputations `tf_ucudnn.rewrite` plans for it (one step per call: steps_per_execution
+        must be 1). A budget that cannot be met stops training with a BudgetError saying by how
+        much.
+      device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
+        if not given).
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
-    After planning, `report` holds the plan of every layer and the layers left alone with why.
+    After planning, `report` holds the plan of every layer and the layers left alone with why,
+    and the memory plan if one was made.
     """
 
     def __init__(self, workspace_limit: Union[int, str] = "64MiB",
                  planner: Optional[Planner] = None,
-                 *, database: str = DEFAULT_DATABASE, profiles=(), verbose: int = 1):
+                 *, database: str = DEFAULT_DATABASE, profiles=(),
+                 memory_budget: Union[int, str, None] = None, device_model=None,
+                 verbose: int = 1):
         super().__init__()
         self.workspace_limit_bytes = parse_bytes(workspace_limit)
+        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self._device_model = device_model
         self._planner = planner
         self._database = database
         self._profiles = tuple(profiles)
@@ -97,6 +109,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._left_alone_before_planning = left_alone
         for patched in self._patched:
             self._switch(patched.layer, self._recording_op(patched))
+        if self.memory_budget_bytes is not None:
+            self._record_batch()
         if self._patched and self.model.jit_compile:
             # XLA cannot compile tf_ucudnn's ops, so it is off from the first step on (sparing a
             # compilation for one step); the model's own setting comes back at the end.
@@ -105,11 +119,14 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._retrace()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.report is None and self._patched:
+        if self.report is None and (self._patched or self.memory_budget_bytes is not None):
             self._plan()
             self._retrace()
+            if self.memory_budget_bytes is not None:
+                self._plan_memory()
 
     def on_train_end(self, logs=None):
+        self.model.__dict__.pop("train_step", None)
         for patched in self._patched:
             self._switch(patched.layer, None)
         if self._jit_compile is not None:
@@ -152,6 +169,52 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.report = report
         if self.verbose:
             print(self.summary(), flush=True)
+
+    # Memory.
+
+    def _record_batch(self) -> None:
+        """Has the train step record its data's batch size (Keras traces it unknown)."""
+        if self.model.steps_per_execution != 1:
+            raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
+                             f"compile the model with steps_per_execution=1, not "
+                             f"{self.model.steps_per_execution}")
+        own_step = type(self.model).train_step.__get__(self.model)
+        self._observed_batch = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="ucudnn_observed_batch")
+        self._data_spec = None
+
+        def train_step(data):
+            self._data_spec = tf.nest.map_structure(
+                lambda t: tf.TensorSpec(t.shape, t.dtype), data)
+            batch = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int64)[0]
+            with tf.control_dependencies([self._observed_batch.assign(batch)]):
+                return own_step(data)
+        self.model.__dict__["train_step"] = train_step
+
+    def _plan_memory(self) -> None:
+        from tf_ucudnn.api import rewrite
+
+        self.model.__dict__.pop("train_step", None)
+        batch = int(self._observed_batch.numpy())
+        specs = tf.nest.map_structure(
+            lambda spec: tf.TensorSpec([batch, *spec.shape[1:]], spec.dtype), self._data_spec)
+        own_step = tf.function(self.model.train_step)
+        step, memory = rewrite(own_step.get_concrete_function(specs),
+                               memory_budget=self.memory_budget_bytes,
+                               device_model=self._device_model)
+        self.report.memory = memory.memory
+        if self.verbose:
+            print(self.report.memory.to_text(), flush=True)
+
+        def train_function(iterator):
+            next_data = iterator.get_next_as_optional()
+            if not next_data.has_value():
+                raise StopIteration
+            data = next_data.get_value()
+            if tf.nest.flatten(data)[0].shape[0] == batch:
+                return step(*tf.nest.flatten(data))
+            return own_step(data)  # another batch size (a last, partial one): no memory plan
+        self.model.train_function = train_function
 
     def summary(self) -> str:
         if self.report is None:

@@ -173,6 +173,7 @@ def _convert_command(args) -> int:
     converter = Converter(args.input_dir, batch_size=args.batch_size,
                           workspace_limit=args.workspace_limit,
                           workspace_budget=args.workspace_budget,
+                          memory_budget=args.memory_budget,
                           signature_keys=args.signatures,
                           database=args.database, profiles=args.profiles, device=args.device,
                           cudnn_version=args.cudnn_version)
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--batch-size", type=int, required=True)
     convert.add_argument("--workspace-limit", default="64MiB",
                          help="per kernel, e.g. 64MiB, 1GiB (default 64MiB)")
+    convert.add_argument("--memory-budget",
+                         help="device memory each signature must fit in at --batch-size")
     convert.add_argument("--workspace-budget",
                          help="all kernels' workspaces together, planned by the network ILP")
     convert.add_argument("--signatures", nargs="*", help="signature keys to convert (default all)")

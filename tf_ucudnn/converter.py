@@ -40,6 +40,10 @@ class Converter:
       input_saved_model_dir: the SavedModel to convert.
       batch_size: the batch size to plan for.
       workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
+      memory_budget: optionally, the device memory each signature's graph must fit in at the
+        planned batch size (checked by the memory planner, which also swaps and recomputes
+        where a signature keeps tensors for a backward pass); a BudgetError says by how much.
+      device_model: the `tf_ucudnn.memory.DeviceModel` for that (measured on a GPU if not given).
       workspace_budget: optionally, a bound on all kernels' workspaces together (planned by the
         network-wide ILP).
       planner: gives each layer its plan or a reason to leave it alone; by default a
@@ -50,7 +54,9 @@ class Converter:
 
     def __init__(self, input_saved_model_dir: str, *, batch_size: int,
                  workspace_limit: Union[int, str] = "64MiB",
-                 workspace_budget: Union[int, str, None] = None, planner: Optional[Planner] = None,
+                 workspace_budget: Union[int, str, None] = None,
+                 memory_budget: Union[int, str, None] = None, device_model=None,
+                 planner: Optional[Planner] = None,
                  signature_keys: Optional[Sequence[str]] = None, database: str = DEFAULT_DATABASE,
                  profiles: Sequence[str] = (), device: Optional[str] = None,
                  cudnn_version: Optional[int] = None):
@@ -62,6 +68,8 @@ class Converter:
         self._planner = planner
         self.workspace_budget_bytes = (None if workspace_budget is None
                                        else parse_bytes(workspace_budget))
+        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self._device_model = device_model
         self._planner_options = dict(database=database, profiles=profiles, device=device,
                                      cudnn_version=cudnn_version,
                                      workspace_budget=self.workspace_budget_bytes)
@@ -123,6 +131,13 @@ class Converter:
             fixed[name] = tf.TensorSpec([self.batch_size, *spec.shape[1:]], spec.dtype, name)
         traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
         planned, report = rewrite_convolutions(traced, planner, inline_functions=True)
+        if self.memory_budget_bytes is not None:
+            from tf_ucudnn.api import rewrite
+
+            planned, with_memory = rewrite(planned.get_concrete_function(),
+                                           memory_budget=self.memory_budget_bytes,
+                                           device_model=self._device_model)
+            report.memory = with_memory.memory
         names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
         planned_shape = tf.constant([self.batch_size], tf.int64)
 
