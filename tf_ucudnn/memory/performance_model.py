@@ -18,6 +18,7 @@ import dataclasses
 import time
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 GB = 1e9
@@ -183,61 +184,78 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         for consumer in tensor.backward_consumers:
             waits.setdefault(consumer, []).append(name)
 
-    start, end = [0.0] * len(op_ms), [0.0] * len(op_ms)
+    # Only ops that wait, or start or end a transfer, need a look of their own; the others run
+    # back to back, so times are prefix sums shifted by the waits before them.
+    durations = np.asarray(op_ms, dtype=float)
+    prefix = np.concatenate([[0.0], np.cumsum(durations)])
+    delay = np.zeros(len(durations))
+    shift = 0.0
     out_done, in_start, in_done, recomputed_at = {}, {}, {}, {}
     d2h_free = h2d_free = transfer = 0.0
-    clock = 0.0
-    for i, duration in enumerate(op_ms):
+    for i in sorted(set(waits) | set(recomputed_before) | set(produced_by) | set(prefetched_at)):
+        clock = prefix[i] + shift
         ready = max([clock] + [in_done[name] for name in waits.get(i, ())])
         for decision in recomputed_before.get(i, ()):
             recomputed_at[decision.tensor] = ready
             ready += decision.cost_ms
-        start[i], end[i] = ready, ready + duration
-        clock = end[i]
+        delay[i] = ready - clock
+        shift += delay[i]
+        end_i = ready + durations[i]
         for tensor in produced_by.get(i, ()):
             copy = tensor.bytes / model.device_to_host * 1e3
-            out_done[tensor.name] = d2h_free = max(d2h_free, end[i]) + copy
+            out_done[tensor.name] = d2h_free = max(d2h_free, end_i) + copy
             transfer += copy
         for tensor in prefetched_at.get(i, ()):
             copy = tensor.bytes / model.host_to_device * 1e3
-            begin = max(h2d_free, end[i], out_done[tensor.name])
+            begin = max(h2d_free, end_i, out_done[tensor.name])
             in_start[tensor.name], in_done[tensor.name] = begin, begin + copy
             h2d_free = begin + copy
             transfer += copy
+    start = prefix[:-1] + np.cumsum(delay)
+    end = start + durations
 
-    intervals = []
+    plain = [t for t in tensors if t.name not in chosen and t.name not in recomputed_at]
+    producers = np.array([t.producer for t in plain], dtype=int)
+    lasts = np.array([max(t.consumers, default=t.producer) for t in plain], dtype=int)
+    starts, ends = [start[producers]], [end[lasts]]
+    sizes = [np.array([t.bytes for t in plain], dtype=np.int64)]
     for tensor in tensors:
         last = max(tensor.consumers, default=tensor.producer)
         if tensor.name in chosen:
-            intervals.append((start[tensor.producer],
-                              max(end[tensor.last_forward_use], out_done[tensor.name]),
-                              tensor.bytes))
-            intervals.append((in_start[tensor.name], end[last], tensor.bytes))
+            pieces = [(start[tensor.producer],
+                       max(end[tensor.last_forward_use], out_done[tensor.name])),
+                      (in_start[tensor.name], end[last])]
         elif tensor.name in recomputed_at:
-            intervals.append((start[tensor.producer], end[tensor.last_forward_use], tensor.bytes))
-            intervals.append((recomputed_at[tensor.name], end[last], tensor.bytes))
+            pieces = [(start[tensor.producer], end[tensor.last_forward_use]),
+                      (recomputed_at[tensor.name], end[last])]
         else:
-            intervals.append((start[tensor.producer], end[last], tensor.bytes))
-    peak, peak_time = _peak(intervals)
-    peak_op = next((i for i in range(len(op_ms)) if start[i] <= peak_time < end[i]),
-                   len(op_ms) - 1)
-    compute = sum(op_ms) + sum(decision.cost_ms for decision in recomputes)
-    return Prediction(step_ms=clock, compute_ms=compute, peak_bytes=peak + persistent_bytes,
-                      peak_op=peak_op, transfer_ms=transfer)
+            continue
+        for begin, finish in pieces:
+            starts.append(np.array([begin]))
+            ends.append(np.array([finish]))
+            sizes.append(np.array([tensor.bytes], dtype=np.int64))
+    peak, peak_time = _peak(np.concatenate(starts), np.concatenate(ends), np.concatenate(sizes))
+    running = np.nonzero((start <= peak_time) & (peak_time < end))[0]
+    peak_op = int(running[0]) if len(running) else len(durations) - 1
+    compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
+    return Prediction(step_ms=float(end[-1]) if len(end) else 0.0, compute_ms=compute,
+                      peak_bytes=peak + persistent_bytes, peak_op=peak_op,
+                      transfer_ms=transfer)
 
 
-def _peak(intervals) -> tuple[int, float]:
+def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:
     """Most bytes held at once by half-open [start, end) intervals, and when."""
-    intervals = [(s, e, b) for s, e, b in intervals if e > s]
-    events = sorted([(s, 1, b) for s, e, b in intervals] + [(e, 0, -b) for s, e, b in intervals])
-    # At equal times frees (kind 0) come before allocations: a buffer freed as another is taken.
-    held = best = 0
-    when = 0.0
-    for moment, _, change in events:
-        held += change
-        if held > best:
-            best, when = held, moment
-    return best, when
+    held = ends > starts
+    starts, ends, sizes = starts[held], ends[held], sizes[held]
+    if not len(sizes):
+        return 0, 0.0
+    times = np.concatenate([starts, ends])
+    changes = np.concatenate([sizes, -sizes])
+    # At equal times frees come before allocations: a buffer freed as another is taken.
+    order = np.lexsort((changes > 0, times))
+    totals = np.cumsum(changes[order])
+    best = int(np.argmax(totals))
+    return int(max(totals[best], 0)), float(times[order][best])
 
 
 def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],
@@ -310,8 +328,20 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
         outcomes = [(predict(op_ms, tensors, model, s, persistent_bytes, r), s, r)
                     for s, r in options]
         # Choices that lower the peak first, then the shortest step.
-        prediction, swaps, recomputes = min(outcomes, key=lambda o: (
-            o[0].peak_bytes >= prediction.peak_bytes, o[0].step_ms, o[0].peak_bytes))
+        best = min(outcomes, key=lambda o: (o[0].peak_bytes >= prediction.peak_bytes,
+                                            o[0].step_ms, o[0].peak_bytes))
+        # Swaps that each lower the peak at no cost are taken together, if together they still
+        # cost nothing: one round instead of one each, when many transfers hide.
+        free = {o[1][-1].tensor: o[1][-1] for o in outcomes
+                if o[1] is not swaps and o[0].peak_bytes < prediction.peak_bytes
+                and o[0].step_ms <= prediction.step_ms + 1e-9}
+        if len(free) > 1:
+            together = [*swaps, *free.values()]
+            outcome = predict(op_ms, tensors, model, together, persistent_bytes, recomputes)
+            if outcome.step_ms <= prediction.step_ms + 1e-9 and \
+                    outcome.peak_bytes < best[0].peak_bytes:
+                best = (outcome, together, recomputes)
+        prediction, swaps, recomputes = best
     return MemoryDecisions(tuple(swaps), tuple(recomputes), prediction)
 
 
