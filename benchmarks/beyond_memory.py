@@ -1,0 +1,152 @@
+"""Training beyond GPU memory: the largest batch plain TensorFlow trains under a memory cap, its
+images per second, and the same with tf_ucudnn's memory plan (swaps and recomputations), side by
+side in one process.
+
+    python benchmarks/beyond_memory.py --models resnet50 vgg16 resnet152 --memory-limit-gib 16 \\
+        --out benchmarks/results/beyond_memory_h100.json
+
+The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperNeurons, AccUDNN
+and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, with
+a memory budget a little under the cap (TensorFlow's allocator needs some room of its own).
+Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import tensorflow as tf
+
+
+def _cap_gpu_memory(limit_gib: float) -> str:
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "CPU (no GPU; no cap)"
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_gib * 1024))])
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+
+
+def _images_per_second(step, batch: int, shape, steps: int) -> float:
+    x = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
+    y = tf.zeros([batch], tf.int32)
+    for _ in range(2):
+        step(x, y).numpy()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step(x, y)
+    loss.numpy()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def _try(run):
+    try:
+        return run(), None
+    except tf.errors.ResourceExhaustedError as error:
+        return None, f"out of memory: {str(error).splitlines()[0][:200]}"
+
+
+def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
+    """Doubling, then halving the gap: the largest batch (multiple of `start`) that trains."""
+    from tf_ucudnn.memory import keras_training_step
+
+    def trains(batch):
+        return _try(lambda: _images_per_second(keras_training_step(model, batch), batch, shape,
+                                               steps))[0]
+
+    good, bad, rates = None, None, {}
+    batch = start
+    while batch <= max_batch:
+        rate = trains(batch)
+        if rate is None:
+            bad = batch
+            break
+        good, rates[batch] = batch, rate
+        batch *= 2
+    while good and bad and bad - good > start:
+        middle = (good + bad) // 2 // start * start
+        rate = trains(middle)
+        if rate is None:
+            bad = middle
+        else:
+            good, rates[middle] = middle, rate
+    return good, rates.get(good)
+
+
+def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int) -> dict:
+    import tf_ucudnn
+    from tf_ucudnn.memory import BudgetError, keras_training_step
+
+    entry = {"batch": batch}
+    try:
+        start = time.perf_counter()
+        step, report = tf_ucudnn.rewrite(keras_training_step(model, batch), memory_budget=budget,
+                                         device_model=device_model)
+        entry["planning_s"] = time.perf_counter() - start
+    except BudgetError as error:
+        entry["error"] = str(error)
+        return entry
+    memory = report.memory
+    entry.update(swaps=len(memory.swaps), recomputes=len(memory.recomputes),
+                 predicted=memory.decisions.prediction.to_json())
+    rate, error = _try(lambda: _images_per_second(step, batch, shape, steps))
+    entry.update({"img_per_s": rate} if rate else {"error": error})
+    return entry
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "resnet152"])
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0)
+    parser.add_argument("--budget-fraction", type=float, default=0.9,
+                        help="tf_ucudnn's memory budget, as a fraction of the cap")
+    parser.add_argument("--start-batch", type=int, default=16)
+    parser.add_argument("--max-batch", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = _cap_gpu_memory(args.memory_limit_gib)
+
+    from tf_ucudnn import models
+    from tf_ucudnn.memory import DeviceModel
+
+    device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else DeviceModel.measure())
+    results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
+               "memory_limit_gib": args.memory_limit_gib, "budget_fraction": args.budget_fraction,
+               "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
+                             "host_to_device_gb_s": device_model.host_to_device / 1e9},
+               "models": {}}
+    budget = int(args.memory_limit_gib * args.budget_fraction * (1 << 30))
+    for name in (["smoke"] if args.smoke else args.models):
+        tf.keras.utils.set_random_seed(0)
+        model = (tf.keras.Sequential([
+            tf.keras.Input((32, 32, 3)), tf.keras.layers.Conv2D(8, 3, activation="relu"),
+            tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
+            if args.smoke else models.load_model(name))
+        shape = model.input_shape[1:]
+        batch, rate = _largest_plain_batch(model, shape, args.start_batch, args.max_batch,
+                                           args.steps)
+        entry = {"tensorflow": {"largest_batch": batch, "img_per_s": rate}, "tf_ucudnn": []}
+        for factor in (4, 3, 2):
+            if batch is None:
+                break
+            trial = _with_tf_ucudnn(model, shape, factor * batch, budget, device_model,
+                                    args.steps)
+            trial["factor"] = factor
+            if trial.get("img_per_s"):
+                trial["vs_tensorflow"] = trial["img_per_s"] / rate
+            entry["tf_ucudnn"].append(trial)
+            print(name, json.dumps(trial)[:300], flush=True)
+            if trial.get("img_per_s"):
+                break
+        results["models"][name] = entry
+        print(name, "TensorFlow", batch, rate, flush=True)
+        with open(args.out, "w") as out:
+            json.dump(results, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
