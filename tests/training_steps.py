@@ -9,6 +9,20 @@ SLOW_LINK = DeviceModel("test", device_to_host=1e9, host_to_device=1e9, memory_b
                         peak_flops=1e12, launch_ms=0.001)
 
 
+def gradient_step(model: tf.keras.Model, batch: int):
+    """The loss and gradients of a model for one batch size, as a ConcreteFunction."""
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step.get_concrete_function(tf.TensorSpec([batch, *model.input_shape[1:]]),
+                                      tf.TensorSpec([batch], tf.int32))
+
+
 def conv_training_step():
     """Four convolutions with ReLUs and a pooling, batch 8, as a ConcreteFunction with gradients."""
     tf.keras.utils.set_random_seed(11)
@@ -21,12 +35,4 @@ def conv_training_step():
         layers.MaxPooling2D(), layers.Conv2D(8, 3, padding="same", activation="relu"),
         layers.GlobalAveragePooling2D(), layers.Dense(5),
     ])
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return step.get_concrete_function(tf.TensorSpec([8, 16, 16, 3]), tf.TensorSpec([8], tf.int32))
+    return gradient_step(model, 8)

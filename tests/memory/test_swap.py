@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tf_ucudnn.memory.swap import HOST, Swap, SwapError, insert_swaps, swap_function
+from training_steps import gradient_step
 
 
 def _model():
@@ -17,18 +18,6 @@ def _model():
         layers.GlobalAveragePooling2D(),
         layers.Dense(4),
     ])
-
-
-def _training_step(model):
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return step.get_concrete_function(tf.TensorSpec([4, 10, 10, 3]), tf.TensorSpec([4], tf.int32))
 
 
 def _conv_input_swaps(graph, prefetch=False):
@@ -48,7 +37,7 @@ def _conv_input_swaps(graph, prefetch=False):
 @pytest.mark.parametrize("prefetch", [False, True], ids=["eager", "prefetched"])
 def test_swapped_step_gives_the_same_loss_and_gradients(prefetch):
     model = _model()
-    step = _training_step(model)
+    step = gradient_step(model, 4)
     swaps = _conv_input_swaps(step.graph, prefetch)
     assert len(swaps) == 2 and all(swap.backward_consumers for swap in swaps)
     swapped = swap_function(step, swaps)
@@ -62,7 +51,7 @@ def test_swapped_step_gives_the_same_loss_and_gradients(prefetch):
 
 
 def test_swap_nodes_are_placed_wired_and_protected():
-    step = _training_step(_model())
+    step = gradient_step(_model(), 4)
     swaps = _conv_input_swaps(step.graph, prefetch=True)
     graph_def = insert_swaps(step.graph.as_graph_def(), swaps, graph=step.graph)
     nodes = {node.name: node for node in graph_def.node}
@@ -83,7 +72,7 @@ def test_swap_nodes_are_placed_wired_and_protected():
 
 
 def test_bad_swaps_are_named():
-    step = _training_step(_model())
+    step = gradient_step(_model(), 4)
     (swap, _) = _conv_input_swaps(step.graph)
     graph_def = step.graph.as_graph_def()
     with pytest.raises(SwapError, match="no node 'nowhere'"):

@@ -17,32 +17,20 @@ import dataclasses
 from typing import Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.core.framework import graph_pb2
 
 from tf_ucudnn.graph.functions import callable_over
+from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 _NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Recompute:
-    """Make `tensor` ("op:index") again for `backward_consumers`, after `trigger` ran (or as soon
-    as its inputs exist if None)."""
+class Recompute(KeptTensor):
+    """Make `tensor` again for `backward_consumers`, after `trigger` ran (or as soon as its
+    inputs exist if None)."""
 
-    tensor: str
-    backward_consumers: tuple[str, ...]
     trigger: Optional[str] = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "backward_consumers", tuple(self.backward_consumers))
-
-    @property
-    def producer(self) -> str:
-        return self.tensor.rsplit(":", 1)[0]
-
-    @property
-    def output_index(self) -> int:
-        return int(self.tensor.rsplit(":", 1)[1]) if ":" in self.tensor else 0
 
 
 class RecomputeError(ValueError):
@@ -86,22 +74,11 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
         clone.name = f"{producer.name}/ucudnn_recompute"
         if recompute.trigger is not None:
             clone.input.append(f"^{recompute.trigger}")
-            nodes[recompute.trigger].attr["_grappler_do_not_remove"].CopyFrom(
-                attr_value_pb2.AttrValue(b=True))
-        clone.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
+            protect(nodes[recompute.trigger])
+        protect(clone)
         index = recompute.output_index
-        referring = ({producer.name, f"{producer.name}:0"} if index == 0
-                     else {f"{producer.name}:{index}"})
-        replacement = clone.name if index == 0 else f"{clone.name}:{index}"
-        for name in recompute.backward_consumers:
-            consumer = nodes.get(name)
-            if consumer is None:
-                raise RecomputeError(f"{recompute.tensor}: no backward consumer node {name!r}")
-            positions = [i for i, text in enumerate(consumer.input) if text in referring]
-            if not positions:
-                raise RecomputeError(f"{recompute.tensor}: {name} does not read it")
-            for i in positions:
-                consumer.input[i] = replacement
+        rewire(nodes, recompute, clone.name if index == 0 else f"{clone.name}:{index}",
+               RecomputeError)
     return result
 
 

@@ -25,43 +25,21 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
 from tf_ucudnn.graph.functions import callable_over
+from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 HOST = "/device:CPU:0"
 
 
 @dataclasses.dataclass(frozen=True)
-class Swap:
-    """Swap `tensor` ("op:index") out after its producer and back in for `backward_consumers`
-    (node names), starting once `prefetch_after` (a node name, or None: as soon as possible) ran."""
+class Swap(KeptTensor):
+    """Swap `tensor` out after its producer and back in for `backward_consumers`, starting once
+    `prefetch_after` (a node name, or None: as soon as possible) ran."""
 
-    tensor: str
-    backward_consumers: tuple[str, ...]
     prefetch_after: Optional[str] = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "backward_consumers", tuple(self.backward_consumers))
-
-    @property
-    def producer(self) -> str:
-        return self.tensor.rsplit(":", 1)[0]
-
-    @property
-    def output_index(self) -> int:
-        return int(self.tensor.rsplit(":", 1)[1]) if ":" in self.tensor else 0
 
 
 class SwapError(ValueError):
     """A swap that cannot be made; names the tensor and the reason."""
-
-
-def _input_names(swap: Swap) -> set[str]:
-    # How a NodeDef refers to the tensor: "op" for output 0, "op:1" otherwise.
-    index = swap.output_index
-    return {swap.producer, f"{swap.producer}:0"} if index == 0 else {f"{swap.producer}:{index}"}
-
-
-def _protected(node) -> None:
-    node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
 
 
 def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
@@ -103,20 +81,11 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
         if swap.prefetch_after is not None:
             swap_in.input.append(f"^{swap.prefetch_after}")
             # Folded or pruned by Grappler, the prefetch op could drag the edge elsewhere.
-            _protected(nodes[swap.prefetch_after])
+            protect(nodes[swap.prefetch_after])
         for node in (swap_out, swap_in):
             node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype.as_datatype_enum))
-            _protected(node)
-        referring = _input_names(swap)
-        for name in swap.backward_consumers:
-            consumer = nodes.get(name)
-            if consumer is None:
-                raise SwapError(f"{swap.tensor}: no backward consumer node {name!r}")
-            positions = [i for i, text in enumerate(consumer.input) if text in referring]
-            if not positions:
-                raise SwapError(f"{swap.tensor}: {name} does not read it")
-            for i in positions:
-                consumer.input[i] = swap_in.name
+            protect(node)
+        rewire(nodes, swap, swap_in.name, SwapError)
     _check_acyclic(result, swaps)
     return result
 
