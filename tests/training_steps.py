@@ -1,5 +1,6 @@
 """A small training step and a device model, shared by the memory planner's and rewrite's tests."""
 
+import numpy as np
 import tensorflow as tf
 
 from tf_ucudnn.memory.performance_model import DeviceModel
@@ -36,3 +37,15 @@ def conv_training_step():
         layers.GlobalAveragePooling2D(), layers.Dense(5),
     ])
     return gradient_step(model, 8)
+
+
+def assert_same_step(original, changed, rtol=1e-5, atol=1e-6, seed=(1, 2)):
+    """Both steps give the same loss and gradients on one random batch."""
+    x_spec, y_spec = [t for t in original.inputs if t.dtype != tf.resource][:2]
+    x = tf.random.stateless_normal(x_spec.shape, seed=seed)
+    y = tf.range(y_spec.shape[0]) % 2
+    loss, grads = original(x, y)
+    new_loss, new_grads = changed(x, y)
+    np.testing.assert_allclose(new_loss.numpy(), loss.numpy(), rtol=rtol)
+    for a, b in zip(new_grads, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=rtol, atol=atol)

@@ -48,6 +48,23 @@ def test_a_diamond_keeps_the_shared_tensor_across_the_branch():
     assert [op.live_bytes for op in report.ops] == [100, 200, 300, 300]
 
 
+def test_control_dependencies_do_not_extend_lifetimes_and_variables_count_once():
+    graph = tf.Graph()
+    with graph.as_default():
+        variable = tf.Variable(tf.zeros([100]), name="v")  # 400 bytes
+        a = tf.compat.v1.placeholder(tf.float32, [10], name="a")  # 40
+        b = tf.math.square(a, name="b")  # 40
+        with tf.control_dependencies([b]):
+            c = tf.math.exp(a, name="c")  # 40; waits for b but does not read it
+        tf.math.add(variable.read_value()[:10], c, name="once")
+        tf.math.add(variable.read_value()[:10], c, name="twice")
+    report = analyze(graph)
+    assert report.persistent_bytes == 400
+    live = {op.name: op.live_bytes for op in report.ops}
+    # During c: a (read by c) and c itself; b, read by nothing, was freed after its own op.
+    assert live["b"] == 80 and live["c"] == 80
+
+
 def test_unknown_shapes_are_listed_not_guessed():
     graph = tf.Graph()
     with graph.as_default():

@@ -150,7 +150,7 @@ def analyze(target) -> LivenessReport:
                 op.inputs[0].dtype not in (tf.resource, tf.variant)
             buffer_of[output.name] = buffer_of[op.inputs[0].name] if alias else output.name
 
-    persistent, unknown, sizes = 0, [], {}
+    variables, unknown, sizes = {}, [], {}
     producers: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
     for i, op in enumerate(operations):
@@ -161,8 +161,8 @@ def analyze(target) -> LivenessReport:
             if size is None:
                 unknown.append(output.name)
                 size = 0
-            if op.type == "ReadVariableOp":  # the variable's own buffer
-                persistent += size
+            if op.type == "ReadVariableOp":  # the variable's own buffer, however often read
+                variables[op.inputs[0].name] = size
                 size = 0
             sizes[output.name] = size
             producers[output.name] = i
@@ -182,6 +182,6 @@ def analyze(target) -> LivenessReport:
             live[i] += sizes[name]
     ops = [StepOp(op.name, op.type, is_backward[i], live[i])
            for i, op in enumerate(operations)]
-    return LivenessReport(ops=ops, tensors=tensors, persistent_bytes=persistent,
+    return LivenessReport(ops=ops, tensors=tensors, persistent_bytes=sum(variables.values()),
                           unknown_size=unknown,
                           function_calls=[op.name for op in operations if op.type in CALL_OPS])

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
+from tf_ucudnn.memory.graph_edits import KeptTensor, graph_of, protect, rewire
 
 _NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
 
@@ -52,10 +52,7 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
                       graph: Optional[tf.Graph] = None) -> graph_pb2.GraphDef:
     """A copy of `graph_def` (its main graph) with the recomputations made. `graph`, the graph
     `graph_def` came from, tells which ops are stateful (else the GraphDef is imported)."""
-    if graph is None:
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
+    graph = graph_of(graph_def, graph)
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}

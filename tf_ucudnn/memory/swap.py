@@ -25,7 +25,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
 from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
+from tf_ucudnn.memory.graph_edits import KeptTensor, graph_of, protect, rewire
 
 HOST = "/device:CPU:0"
 
@@ -51,10 +51,7 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
     when there is one, else left to TensorFlow's placer. `graph`, the graph `graph_def` came from,
     gives the tensors' types (else the GraphDef is imported to read them).
     """
-    if graph is None:
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
+    graph = graph_of(graph_def, graph)
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
