@@ -18,6 +18,12 @@ import tf_ucudnn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `import reference`
 
+# Four logical CPU devices, for the spatial-parallel tests; set before TensorFlow starts its runtime.
+LOGICAL_CPUS = 4
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+
 def gpu_unavailable_reason():
     """Why the GPU cases cannot run here, or None if they can."""
     if not tf.config.list_physical_devices("GPU"):

@@ -1,0 +1,85 @@
+"""Spatially partitioned layers over logical CPU devices equal the unpartitioned ones."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.parallel import SpatialSplitError, batch_norm, conv, gather, pool, split
+
+DEVICES = [f"/CPU:{i}" for i in range(4)]
+
+
+def _random(shape, seed):
+    return tf.constant(np.random.RandomState(seed).randn(*shape))
+
+
+@pytest.mark.parametrize("spatial", [2, 3], ids=["2d", "3d"])
+@pytest.mark.parametrize("devices, sizes", [(2, None), (3, [5, 3, 4]), (4, None)])
+@pytest.mark.parametrize("kernel, stride, dilation, padding", [
+    (3, 1, 1, "SAME"), (3, 2, 1, "SAME"), (5, 1, 1, "VALID"), (3, 1, 2, "SAME"),
+    (2, 2, 1, "VALID"), (4, 1, 1, "SAME")])
+def test_conv_equals_the_unpartitioned_layer_with_gradients(spatial, devices, sizes, kernel,
+                                                            stride, dilation, padding):
+    shape = [2, 12, 7, 3] if spatial == 2 else [2, 12, 6, 5, 2]
+    x = _random(shape, 1)
+    w = _random([kernel] * spatial + [shape[-1], 4], 2)
+
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, w])
+        y = gather(conv(split(x, DEVICES[:devices], sizes), w, stride, padding, dilation))
+        # tf.nn.convolution: dilated convolutions as TensorFlow's CPU kernels allow them.
+        reference = tf.nn.convolution(x, w, strides=stride, padding=padding,
+                                      dilations=dilation,
+                                      data_format="NHWC" if spatial == 2 else "NDHWC")
+        weights = tf.reshape(tf.cast(tf.range(tf.size(y)), y.dtype), y.shape)
+        loss, reference_loss = tf.reduce_sum(y * weights), tf.reduce_sum(reference * weights)
+    np.testing.assert_allclose(y.numpy(), reference.numpy(), rtol=1e-10, atol=1e-10)
+    for got, expected in zip(tape.gradient(loss, [x, w]), tape.gradient(reference_loss, [x, w])):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-9, atol=1e-9)
+
+
+def test_each_device_computes_its_own_slab():
+    x, w = _random([1, 16, 6, 2], 3), _random([3, 3, 2, 2], 4)
+
+    @tf.function
+    def f(x, w):
+        return conv(split(x, DEVICES), w).parts
+
+    graph = f.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                    tf.TensorSpec(w.shape, w.dtype)).graph
+    convs = [op for op in graph.get_operations() if op.type == "UcudnnConv2D"]
+    by_device = {}
+    for op in convs:
+        by_device.setdefault(op.device.split("device:")[-1], []).append(op)
+    assert sorted(by_device) == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+    # The middle devices compute their interior apart from the two halo rows.
+    assert len(by_device["CPU:1"]) == 3 and len(by_device["CPU:0"]) == 2
+
+
+def test_a_split_finer_than_the_halo_is_refused():
+    x, w = _random([1, 8, 4, 1], 5), _random([7, 1, 1, 1], 6)
+    with pytest.raises(SpatialSplitError, match="device 0 .* needs rows .* of device 2, beyond "
+                                                "its neighbours"):
+        conv(split(x, DEVICES, [2, 2, 2, 2]), w)
+
+
+def test_uneven_and_bad_splits_are_named():
+    x = _random([1, 6, 4, 1], 7)
+    with pytest.raises(SpatialSplitError, match="do not cover 6 rows"):
+        split(x, DEVICES[:2], [3, 4])
+    with pytest.raises(SpatialSplitError, match="cannot split 6 rows over 8 devices"):
+        split(x, DEVICES * 2)
+
+
+def test_pooling_and_batch_norm_equal_the_unpartitioned_layers():
+    x = tf.cast(_random([2, 8, 6, 4, 3], 8), tf.float32)  # MaxPool3D has no float64 kernel
+    gamma, beta = tf.cast(_random([3], 9), tf.float32), tf.cast(_random([3], 10), tf.float32)
+    slabs = split(x, DEVICES[:2], [4, 4])
+    pooled = gather(pool(slabs, 2))
+    np.testing.assert_allclose(pooled.numpy(), tf.nn.max_pool3d(x, 2, 2, "VALID").numpy())
+    normalized = gather(batch_norm(slabs, gamma, beta))
+    mean, variance = tf.nn.moments(x, [0, 1, 2, 3])
+    expected = tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-3)
+    np.testing.assert_allclose(normalized.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpatialSplitError, match="do not hold whole 2-row pooling windows"):
+        pool(split(x, DEVICES[:2], [3, 5]), 2)

@@ -1,0 +1,216 @@
+"""Spatial parallelism: one sample's volume split into slabs along one spatial dimension, one slab
+per device, and the layers of a 3-D (or 2-D) CNN computed slab by slab, as Oyama et al. do with
+Distconv.
+
+A convolution needs, for its outputs on one device, input rows that lie on the neighbouring
+devices: the halo. Each device takes exactly the rows its outputs' windows cover (zeros where they
+fall outside the volume, as SAME padding has it), slices of its neighbours' slabs that TensorFlow's
+runtime copies across devices; no communication layer of our own. The rows whose windows lie
+inside the device's own slab are convolved apart from the few that need the halo, so that the
+interior is computed while the halo is in flight. Everything is made of differentiable TensorFlow
+ops, so the backward pass (the halo's gradient sent back to its owner) comes from autodiff, and
+the result equals the unpartitioned layer.
+
+Tensors are channels-last (NHWC / NDHWC); the split dimension is the first spatial one (height,
+or depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tf_ucudnn import ops
+
+SPLIT_AXIS = 1  # the first spatial dimension, channels-last
+
+
+class SpatialSplitError(ValueError):
+    """A split the layer cannot use; says which device and why."""
+
+
+@dataclasses.dataclass
+class Slabs:
+    """A batch of volumes as slabs: `parts[i]` lives on `devices[i]` and holds rows
+    [starts[i], starts[i + 1]) of the split dimension."""
+
+    parts: list
+    devices: tuple[str, ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [int(part.shape[SPLIT_AXIS]) for part in self.parts]
+
+    @property
+    def starts(self) -> list[int]:
+        starts = [0]
+        for size in self.sizes:
+            starts.append(starts[-1] + size)
+        return starts
+
+    def map(self, fn) -> "Slabs":
+        """An element-wise op (activation, bias, ...) applied on each device."""
+        parts = []
+        for device, part in zip(self.devices, self.parts):
+            with tf.device(device):
+                parts.append(fn(part))
+        return Slabs(parts, self.devices)
+
+
+def even_sizes(total: int, parts: int) -> list[int]:
+    if not 1 <= parts <= total:
+        raise SpatialSplitError(f"cannot split {total} rows over {parts} devices")
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def split(x, devices: Sequence[str], sizes: Optional[Sequence[int]] = None) -> Slabs:
+    """`x` cut into slabs along the first spatial dimension, one per device."""
+    sizes = list(sizes or even_sizes(int(x.shape[SPLIT_AXIS]), len(devices)))
+    if sum(sizes) != x.shape[SPLIT_AXIS] or any(size <= 0 for size in sizes):
+        raise SpatialSplitError(f"slab sizes {sizes} do not cover {x.shape[SPLIT_AXIS]} rows")
+    parts, start = [], 0
+    for device, size in zip(devices, sizes):
+        with tf.device(device):
+            parts.append(_rows(x, start, start + size))
+        start += size
+    return Slabs(parts, tuple(devices))
+
+
+def gather(slabs: Slabs, device: Optional[str] = None):
+    """The whole tensor again, on `device` (default: the first slab's)."""
+    with tf.device(device or slabs.devices[0]):
+        return tf.concat(slabs.parts, axis=SPLIT_AXIS)
+
+
+def _rows(x, begin: int, end: int):
+    begin_index = [0] * len(x.shape)
+    size = [-1] * len(x.shape)
+    begin_index[SPLIT_AXIS], size[SPLIT_AXIS] = begin, end - begin
+    return tf.slice(x, begin_index, size)
+
+
+def _same_pads(size: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    effective = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + effective - size, 0)
+    return total // 2, total - total // 2
+
+
+def _window_rows(slabs: Slabs, index: int, begin: int, end: int, layer: str):
+    """Rows [begin, end) of the whole volume (zeros outside it) on device `index`, from its own
+    slab and its neighbours'."""
+    starts, device = slabs.starts, slabs.devices[index]
+    pieces = []
+    with tf.device(device):
+        template = slabs.parts[index]
+        if begin < 0:
+            pieces.append(_zeros_like_rows(template, -begin))
+        for owner, part in enumerate(slabs.parts):
+            low, high = max(begin, starts[owner]), min(end, starts[owner + 1])
+            if low >= high:
+                continue
+            if abs(owner - index) > 1:
+                raise SpatialSplitError(
+                    f"{layer}: device {index} ({device}) needs rows {low}-{high - 1} of device "
+                    f"{owner}, beyond its neighbours: the slabs ({slabs.sizes} rows) are thinner "
+                    "than the layer's halo; use fewer devices or a larger volume")
+            pieces.append(_rows(part, low - starts[owner], high - starts[owner]))
+        if end > starts[-1]:
+            pieces.append(_zeros_like_rows(template, end - starts[-1]))
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
+
+
+def _zeros_like_rows(template, rows: int):
+    shape = tf.unstack(tf.shape(template))
+    shape[SPLIT_AXIS] = rows
+    return tf.zeros(tf.stack(shape), template.dtype)
+
+
+def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
+         out_sizes: Optional[Sequence[int]] = None, name: str = "spatial_conv") -> Slabs:
+    """Conv2D/Conv3D (by the filter's rank) of the volume in slabs; equal to the unpartitioned
+    layer. `out_sizes` sets the output rows per device (default: as even as possible)."""
+    spatial = len(filters.shape) - 2
+    strides = [strides] * spatial if isinstance(strides, int) else list(strides)
+    dilations = [dilations] * spatial if isinstance(dilations, int) else list(dilations)
+    kernel, stride, dilation = int(filters.shape[0]), strides[0], dilations[0]
+    size = slabs.starts[-1]
+    padding = padding.upper()
+    if padding == "SAME":
+        before, after = _same_pads(size, kernel, stride, dilation)
+    elif padding == "VALID":
+        before = after = 0
+    else:
+        raise ValueError(f"{name}: padding must be SAME or VALID, got {padding!r}")
+    out_total = (size + before + after - ((kernel - 1) * dilation + 1)) // stride + 1
+    out_sizes = list(out_sizes or even_sizes(out_total, len(slabs.parts)))
+    # The other spatial dimensions are whole on every device: pad them as the layer says.
+    other_pads = []
+    for axis in range(1, spatial):
+        full = int(slabs.parts[0].shape[SPLIT_AXIS + axis])
+        other_pads.append(_same_pads(full, int(filters.shape[axis]), strides[axis], dilations[axis])
+                          if padding == "SAME" else (0, 0))
+    convolve = ops.conv2d if spatial == 2 else ops.conv3d
+
+    def run(rows):
+        pads = [[0, 0], [0, 0], *[list(p) for p in other_pads], [0, 0]]
+        # The rows were taken to give exactly `count` outputs.
+        return convolve(rows, filters, strides=[1, *strides, 1], padding=pads,
+                        dilations=[1, *dilations, 1])
+
+    reach = (kernel - 1) * dilation + 1
+    starts, parts, out_start = slabs.starts, [], 0
+    for index, (device, count) in enumerate(zip(slabs.devices, out_sizes)):
+        first, last = out_start, out_start + count  # output rows [first, last)
+        out_start = last
+        # Outputs whose windows stay inside the own slab (or the padding beside it, at the ends
+        # of the volume) need no halo.
+        own_low = starts[index] if index > 0 else -before
+        own_high = starts[index + 1] if index < len(out_sizes) - 1 else starts[-1] + after
+        inner_first = max(first, -(-(own_low + before) // stride))
+        inner_last = min(last, (own_high - reach + before) // stride + 1)
+        with tf.device(device), tf.name_scope(f"{name}_{index}"):
+            if inner_first >= inner_last:
+                inner_first = inner_last = first
+            pieces = []
+            for a, b in ((first, inner_first), (inner_first, inner_last), (inner_last, last)):
+                if a >= b:
+                    continue
+                rows = _window_rows(slabs, index, a * stride - before,
+                                    (b - 1) * stride - before + reach, name)
+                pieces.append(run(rows))
+            parts.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS))
+    return Slabs(parts, slabs.devices)
+
+
+def pool(slabs: Slabs, window: int, kind: str = "MAX", name: str = "spatial_pool") -> Slabs:
+    """Non-overlapping pooling (window = stride, VALID) in every spatial dimension; each slab must
+    hold whole windows."""
+    if any(size % window for size in slabs.sizes):
+        raise SpatialSplitError(f"{name}: slabs of {slabs.sizes} rows do not hold whole "
+                                f"{window}-row pooling windows; choose slab sizes divisible by "
+                                f"{window}")
+    return slabs.map(lambda part: tf.nn.pool(part, [window] * (len(part.shape) - 2), kind,
+                                             strides=[window] * (len(part.shape) - 2),
+                                             padding="VALID"))
+
+
+def batch_norm(slabs: Slabs, gamma, beta, epsilon: float = 1e-3) -> Slabs:
+    """Batch normalization with statistics over the whole volumes (all slabs), as in training."""
+    axes = list(range(len(slabs.parts[0].shape) - 1))
+    sums, squares, counts = [], [], []
+    for device, part in zip(slabs.devices, slabs.parts):
+        with tf.device(device):
+            sums.append(tf.reduce_sum(part, axes))
+            squares.append(tf.reduce_sum(tf.square(part), axes))
+            counts.append(tf.cast(tf.reduce_prod(tf.shape(part)[:-1]), part.dtype))
+    with tf.device(slabs.devices[0]):
+        count = tf.add_n(counts)
+        mean = tf.add_n(sums) / count
+        variance = tf.add_n(squares) / count - tf.square(mean)
+        scale = gamma * tf.math.rsqrt(variance + epsilon)
+        shift = beta - mean * scale
+    return slabs.map(lambda part: part * scale + shift)
