@@ -1,0 +1,84 @@
+"""SpatialCosmoFlow: split over devices (and data groups), it computes and trains as on one."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.parallel import SpatialSplitError
+from tf_ucudnn.parallel.cosmoflow import SpatialCosmoFlow
+
+SMALL = dict(input_size=16, channels=2, filters=(4, 8), dense=(16,), outputs=3)
+
+
+def _data(samples=8):
+    rng = np.random.RandomState(0)
+    return (rng.rand(samples, 16, 16, 16, 2).astype("float32"),
+            rng.rand(samples, 3).astype("float32"))
+
+
+def _twin(reference, **options):
+    model = SpatialCosmoFlow(**SMALL, **options)
+    model.set_weights(reference.get_weights())
+    return model
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_outputs_and_gradients_equal_the_unsplit_model(split):
+    tf.keras.utils.set_random_seed(1)
+    whole = SpatialCosmoFlow(**SMALL)
+    parted = _twin(whole, spatial_split=split)
+    x, y = _data(4)
+
+    def gradients(model):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    loss, grads = gradients(whole)
+    parted_loss, parted_grads = gradients(parted)
+    np.testing.assert_allclose(parted_loss.numpy(), loss.numpy(), rtol=1e-5)
+    for a, b in zip(parted_grads, grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def _fit(model, epochs=2):
+    x, y = _data()
+    model.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def test_training_steps_equal_the_unsplit_model():
+    tf.keras.utils.set_random_seed(2)
+    whole = SpatialCosmoFlow(**SMALL)
+    parted = _twin(whole, spatial_split=2)
+    for a, b in zip(_fit(parted), _fit(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_data_and_spatial_parallel_training_equals_one_device():
+    tf.keras.utils.set_random_seed(3)
+    whole = SpatialCosmoFlow(**SMALL)
+    initial = whole.get_weights()
+    reference = _fit(whole)
+    mesh = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
+    strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:2"])
+    with strategy.scope():
+        hybrid = SpatialCosmoFlow(**SMALL, mesh=mesh)
+        hybrid.set_weights(initial)
+        trained = _fit(hybrid)
+    for a, b in zip(trained, reference):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_shapes_and_splits_are_refused():
+    with pytest.raises(SpatialSplitError, match="an edge of 5 does not halve"):
+        SpatialCosmoFlow(input_size=10, channels=1, filters=(2, 2))
+    model = SpatialCosmoFlow(**SMALL, spatial_split=4)
+    deeper = SpatialCosmoFlow(input_size=16, channels=2, filters=(2, 2, 2), dense=(4,),
+                              outputs=1, spatial_split=4)
+    model(_data(1)[0])  # 16 / 4 = 4 rows: two halvings fit
+    with pytest.raises(SpatialSplitError, match="do not hold whole 2-row pooling windows"):
+        deeper(_data(1)[0])  # a third halving of 1 row does not
+    with pytest.raises(SpatialSplitError, match="needs 5 GPUs or logical CPUs"):
+        SpatialCosmoFlow(**SMALL, spatial_split=5)
