@@ -1,13 +1,17 @@
-"""Parallelism past one GPU: spatial partitioning of 3-D CNN layers across devices."""
+"""Parallelism past one GPU: spatial partitioning of 3-D CNN layers across devices, a CosmoFlow-style
+model trained with data x spatial parallelism (`parallel.cosmoflow`), and a loader that reads each
+device's slab (`parallel.data`)."""
 
 from tf_ucudnn.parallel.spatial import (
     Slabs,
     SpatialSplitError,
     batch_norm,
     conv,
+    from_parts,
     gather,
     pool,
     split,
 )
 
-__all__ = ["Slabs", "SpatialSplitError", "batch_norm", "conv", "gather", "pool", "split"]
+__all__ = ["Slabs", "SpatialSplitError", "batch_norm", "conv", "from_parts", "gather", "pool",
+           "split"]

@@ -94,7 +94,10 @@ class SpatialCosmoFlow(keras.Model):
         return self.mesh[0]
 
     def call(self, x, training=False):
-        slabs = spatial.split(x, self._devices())
+        """`x`: whole volumes, or a tuple of their slabs, one per device (`slab_dataset`'s)."""
+        devices = self._devices()
+        slabs = (spatial.from_parts(x, devices) if isinstance(x, (list, tuple))
+                 else spatial.split(x, devices))
         for conv in self.convs:
             slabs = spatial.conv(slabs, conv.kernel, padding="SAME", name=conv.name)
             slabs = slabs.map(lambda part, bias=conv.bias: tf.nn.leaky_relu(part + bias, 0.3))

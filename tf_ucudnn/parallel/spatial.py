@@ -79,6 +79,17 @@ def split(x, devices: Sequence[str], sizes: Optional[Sequence[int]] = None) -> S
     return Slabs(parts, tuple(devices))
 
 
+def from_parts(parts: Sequence, devices: Sequence[str]) -> Slabs:
+    """Slabs already cut (a loader's, say), each moved to its device."""
+    if len(parts) != len(devices):
+        raise SpatialSplitError(f"{len(parts)} slabs for {len(devices)} devices")
+    placed = []
+    for device, part in zip(devices, parts):
+        with tf.device(device):
+            placed.append(tf.identity(part))
+    return Slabs(placed, tuple(devices))
+
+
 def gather(slabs: Slabs, device: Optional[str] = None):
     """The whole tensor again, on `device` (default: the first slab's)."""
     with tf.device(device or slabs.devices[0]):
