@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_ucudnn.graph.rewrite import rewrite_convolutions
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
+from training_steps import gradient_step
 
 
 def _split_plan(layer):
@@ -45,16 +46,7 @@ def _resnet_style():
 def test_rewritten_training_step_gives_the_same_loss_and_gradients(build):
     tf.keras.utils.set_random_seed(1)
     model = build()
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    concrete = step.get_concrete_function(tf.TensorSpec([6, 12, 12, 3]),
-                                          tf.TensorSpec([6], tf.int32))
+    concrete = gradient_step(model, 6)
     rewritten, report = rewrite_convolutions(concrete, _split_plan)
     convs = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Conv2D)]
     assert len(report.layers) == len(convs)
