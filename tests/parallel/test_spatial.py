@@ -83,3 +83,24 @@ def test_pooling_and_batch_norm_equal_the_unpartitioned_layers():
     np.testing.assert_allclose(normalized.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
     with pytest.raises(SpatialSplitError, match="do not hold whole 2-row pooling windows"):
         pool(split(x, DEVICES[:2], [3, 5]), 2)
+
+
+def test_each_devices_part_runs_its_plan():
+    from tf_ucudnn.plan import KernelPlan, LayerPlan
+
+    layers = []
+
+    def planner(layer):
+        layers.append(layer)
+        batch = layer.batch_size
+        halves = KernelPlan.of((batch // 2, 0), (batch - batch // 2, 1))
+        return LayerPlan(halves, halves, halves)
+
+    x, w = _random([4, 10, 6, 5, 2], 11), _random([3, 3, 3, 2, 3], 12)
+    y = gather(conv(split(x, DEVICES[:2]), w, planner=planner))
+    np.testing.assert_allclose(y.numpy(), tf.nn.conv3d(x, w, [1] * 5, "SAME").numpy(),
+                               rtol=1e-10, atol=1e-10)
+    # Each device's interior and halo parts were planned with their own input rows.
+    assert len(layers) == 4 and {layer.op_type for layer in layers} == {"Conv3D"}
+    assert {layer.padding for layer in layers} == {"EXPLICIT"}
+    assert sorted(layer.input_shape[1] for layer in layers) == [3, 3, 6, 6]

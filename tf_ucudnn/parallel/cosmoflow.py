@@ -48,13 +48,16 @@ class SpatialCosmoFlow(keras.Model):
       dense: the dense head's hidden units; `outputs` the regression targets.
       spatial_split: the devices one sample is split over (ignored when `mesh` is given).
       mesh: device groups, one per data-parallel replica, each splitting a sample spatially.
+      planner: plans each device's convolutions (micro-batches and algorithms), as
+        `tf_ucudnn.rewrite` takes one.
     """
 
     def __init__(self, input_size: int = 64, channels: int = 4,
                  filters: Sequence[int] = (16, 32, 64, 128), dense: Sequence[int] = (128, 64),
                  outputs: int = 4, spatial_split: int = 1,
-                 mesh: Optional[Sequence[Sequence[str]]] = None, **kwargs):
+                 mesh: Optional[Sequence[Sequence[str]]] = None, planner=None, **kwargs):
         super().__init__(**kwargs)
+        self.planner = planner
         self.input_size, self.channels = input_size, channels
         self.mesh = [list(group) for group in mesh] if mesh else [default_devices(spatial_split)]
         edge = input_size
@@ -99,7 +102,8 @@ class SpatialCosmoFlow(keras.Model):
         slabs = (spatial.from_parts(x, devices) if isinstance(x, (list, tuple))
                  else spatial.split(x, devices))
         for conv in self.convs:
-            slabs = spatial.conv(slabs, conv.kernel, padding="SAME", name=conv.name)
+            slabs = spatial.conv(slabs, conv.kernel, padding="SAME", name=conv.name,
+                                 planner=self.planner)
             slabs = slabs.map(lambda part, bias=conv.bias: tf.nn.leaky_relu(part + bias, 0.3))
             slabs = spatial.pool(slabs, 2, "AVG", name=f"{conv.name}_pool")
         x = spatial.gather(slabs)

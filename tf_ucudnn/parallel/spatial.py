@@ -18,11 +18,12 @@ or depth).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
 from tf_ucudnn import ops
+from tf_ucudnn.graph.conv_layers import ConvLayer
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
 
@@ -141,9 +142,12 @@ def _zeros_like_rows(template, rows: int):
 
 
 def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
-         out_sizes: Optional[Sequence[int]] = None, name: str = "spatial_conv") -> Slabs:
+         out_sizes: Optional[Sequence[int]] = None, name: str = "spatial_conv",
+         planner: Optional[Callable] = None) -> Slabs:
     """Conv2D/Conv3D (by the filter's rank) of the volume in slabs; equal to the unpartitioned
-    layer. `out_sizes` sets the output rows per device (default: as even as possible)."""
+    layer. `out_sizes` sets the output rows per device (default: as even as possible).
+    `planner` (a ConvLayer -> LayerPlan or reason callable, as `tf_ucudnn.rewrite` takes) plans
+    each device's part, micro-batches and all; a reason leaves that part to cuDNN's choice."""
     spatial = len(filters.shape) - 2
     strides = [strides] * spatial if isinstance(strides, int) else list(strides)
     dilations = [dilations] * spatial if isinstance(dilations, int) else list(dilations)
@@ -168,9 +172,18 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
 
     def run(rows):
         pads = [[0, 0], [0, 0], *[list(p) for p in other_pads], [0, 0]]
-        # The rows were taken to give exactly `count` outputs.
-        return convolve(rows, filters, strides=[1, *strides, 1], padding=pads,
-                        dilations=[1, *dilations, 1])
+        attrs = dict(strides=[1, *strides, 1], dilations=[1, *dilations, 1])
+        plan = None
+        if planner is not None:
+            plan = planner(ConvLayer(
+                name=name, op_type=f"Conv{spatial}D", input_shape=tuple(rows.shape),
+                filter_shape=tuple(filters.shape), strides=tuple(attrs["strides"]),
+                dilations=tuple(attrs["dilations"]), padding="EXPLICIT",
+                explicit_paddings=tuple(v for pair in pads for v in pair),
+                data_format="NHWC" if spatial == 2 else "NDHWC", dtype=rows.dtype.name))
+        # The rows were taken to give exactly the device's outputs.
+        return convolve(rows, filters, padding=pads, plan=None if isinstance(plan, str) else plan,
+                        **attrs)
 
     reach = (kernel - 1) * dilation + 1
     starts, parts, out_start = slabs.starts, [], 0
