@@ -75,7 +75,8 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
     return good, rates.get(good)
 
 
-def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int) -> dict:
+def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
+                    step_ms: float) -> dict:
     import tf_ucudnn
     from tf_ucudnn.memory import BudgetError, keras_training_step
 
@@ -83,7 +84,7 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
     try:
         start = time.perf_counter()
         step, report = tf_ucudnn.rewrite(keras_training_step(model, batch), memory_budget=budget,
-                                         device_model=device_model)
+                                         device_model=device_model, step_ms=step_ms)
         entry["planning_s"] = time.perf_counter() - start
     except BudgetError as error:
         entry["error"] = str(error)
@@ -133,8 +134,10 @@ def main():
         for factor in (4, 3, 2):
             if batch is None:
                 break
+            # Op times calibrated by TensorFlow's own step, scaled to the batch.
+            step_ms = factor * batch / rate * 1e3
             trial = _with_tf_ucudnn(model, shape, factor * batch, budget, device_model,
-                                    args.steps)
+                                    args.steps, step_ms)
             trial["factor"] = factor
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate

@@ -20,7 +20,8 @@ Size = Union[int, str, None]
 
 def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size = None,
             workspace_budget: Size = None, memory_budget: Size = None, device_model=None,
-            inline_functions: bool = False, **planner_options):
+            step_ms: Optional[float] = None, inline_functions: bool = False,
+            **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
@@ -34,8 +35,9 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
 
     `memory_budget` (a ConcreteFunction of a training step only) plans swaps and recomputations
     so that the step's tensors and variables fit, with `device_model` (a
-    `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given). A budget that cannot be met
-    raises `tf_ucudnn.memory.BudgetError`, saying by how much.
+    `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
+    time of the step without swaps (`step_ms`) to calibrate the op time estimates. A budget that
+    cannot be met raises `tf_ucudnn.memory.BudgetError`, saying by how much.
     """
     plans_convolutions = planner is not None or workspace_limit is not None or \
         workspace_budget is not None
@@ -74,7 +76,7 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
         else rewritten
     report.memory = plan_step_memory(step, parse_bytes(memory_budget),
-                                     device_model or DeviceModel.measure())
+                                     device_model or DeviceModel.measure(), step_ms=step_ms)
     return apply_memory_plan(step, report.memory), report
 
 

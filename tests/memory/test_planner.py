@@ -1,6 +1,7 @@
 """The memory planner on a real training step: a budget met, the same results, or a clear no."""
 
 import pytest
+import tensorflow as tf
 
 from tf_ucudnn.memory.performance_model import BudgetError
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
@@ -29,3 +30,36 @@ def test_an_impossible_budget_says_by_how_much():
         plan_step_memory(step, 1 << 10, SLOW_LINK)
     assert error.value.shortfall_bytes > 0
     assert error.value.prediction.peak_bytes - error.value.shortfall_bytes == 1 << 10
+
+
+def test_a_measured_step_time_calibrates_the_estimates():
+    step = conv_training_step()
+    plain = plan_step_memory(step, 1 << 40, SLOW_LINK, step_ms=50.0)
+    assert plain.decisions.prediction.step_ms == pytest.approx(50.0)
+    first = step.graph.get_operations()[0].name
+    pinned = plan_step_memory(step, 1 << 40, SLOW_LINK, measured_ms={first: 10.0}, step_ms=50.0)
+    assert pinned.decisions.prediction.step_ms == pytest.approx(50.0)
+
+
+def test_recomputation_chains_reach_back_to_kept_tensors():
+    from tf_ucudnn.memory.liveness import analyze
+    from tf_ucudnn.memory.planner import _op_times, _recompute_chains
+    from training_steps import gradient_step
+
+    tf.keras.utils.set_random_seed(4)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((8, 8, 3)),
+        layers.Conv2D(4, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(),
+        layers.Conv2D(4, 3, padding="same"), layers.GlobalAveragePooling2D(), layers.Dense(2),
+    ])
+    step = gradient_step(model, 2)
+    report = analyze(step)
+    chains = _recompute_chains(step.graph, report, _op_times(step.graph, SLOW_LINK, None, None))
+    operations = step.graph.get_operations()
+    relu = next(op for op in operations if op.type == "Relu" and "gradient" not in op.name)
+    cost, chain = chains[relu.outputs[0].name]
+    # The ReLU's input (the normalization's output) was not kept: its ops run again too.
+    assert chain and relu.inputs[0].op.name in chain and cost > 0
+    assert all(operations.index(step.graph.get_operation_by_name(name)) < operations.index(relu)
+               for name in chain)

@@ -81,3 +81,22 @@ def test_what_cannot_be_recomputed_is_refused_with_the_reason():
     with pytest.raises(RecomputeError, match="stateful"):
         insert_recomputes(graph.as_graph_def(), [Recompute(random.outputs[0].name, [consumer])],
                           graph)
+
+
+def test_a_chain_is_recomputed_from_the_kept_tensor_before_it():
+    step = _training_step()
+    ops = step.graph.get_operations()
+    last_forward = ops[next(i for i, op in enumerate(ops) if "gradient" in op.name) - 1].name
+    # The first ReLU's output, made again from its input: the batch normalization's output,
+    # itself made again from the ops that compute it out of kept tensors.
+    relu = next(op for op in ops if op.type == "Relu" and "gradient" not in op.name)
+    bn_output = relu.inputs[0].op
+    backward = [c.name for c in relu.outputs[0].consumers() if "gradient" in c.name]
+    recompute = Recompute(relu.outputs[0].name, backward, last_forward, chain=[bn_output.name])
+    graph_def = insert_recomputes(step.graph.as_graph_def(), [recompute], step.graph)
+    nodes = {node.name: node for node in graph_def.node}
+    relu_clone = nodes[f"{relu.name}/ucudnn_recompute"]
+    bn_clone = nodes[f"{bn_output.name}/ucudnn_recompute"]
+    assert relu_clone.input[0] == bn_clone.name  # the clone reads the clone
+    assert f"^{last_forward}" in bn_clone.input and f"^{last_forward}" not in relu_clone.input
+    assert_same_step(step, recompute_function(step, [recompute]), rtol=1e-5, atol=1e-7)

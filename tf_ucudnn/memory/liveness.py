@@ -8,9 +8,9 @@ buffer (Identity, Reshape, ...) make no new tensor: they extend the life of the 
 Variables are persistent, counted apart; function calls count as one op (listed in the report),
 so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside them.
 
-Tensors made by the forward pass and read by the gradient ops that `tf.GradientTape` put under a
-`gradient_tape/` (or `gradients/`) name scope are the kept activations that swapping and
-recomputation act on.
+The backward pass is the ops `tf.GradientTape` put under a `gradient_tape/` (or `gradients/`) name
+scope and every op depending on them. Tensors made by the forward pass and read by the backward
+pass are the kept activations that swapping and recomputation act on.
 """
 
 from __future__ import annotations
@@ -126,6 +126,25 @@ def _graph_of(target) -> tuple[tf.Graph, set[str]]:
                     f"{type(target).__name__}")
 
 
+def _backward_ops(operations) -> list[bool]:
+    """The ops under a gradient scope and all that depend on them (tf.GradientTape names its
+    gradient sums AddN_<k>, outside the scope; optimizer updates follow them)."""
+    index = {op.name: i for i, op in enumerate(operations)}
+    backward = [op.name.startswith(BACKWARD_SCOPES) or
+                any(f"/{scope}" in op.name for scope in BACKWARD_SCOPES) for op in operations]
+    frontier = [i for i, flag in enumerate(backward) if flag]
+    while frontier:
+        op = operations[frontier.pop()]
+        # Control edges too: no public accessor gives an op's control outputs.
+        followers = [c for t in op.outputs for c in t.consumers()] + list(op._control_outputs)
+        for follower in followers:
+            i = index.get(follower.name)
+            if i is not None and not backward[i]:
+                backward[i] = True
+                frontier.append(i)
+    return backward
+
+
 def _size(tensor: tf.Tensor) -> Optional[int]:
     if tensor.dtype in (tf.resource, tf.variant):
         return 0
@@ -138,9 +157,7 @@ def analyze(target) -> LivenessReport:
     """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
     graph, returned = _graph_of(target)
     operations = graph.get_operations()
-    is_backward = [op.name.startswith(BACKWARD_SCOPES) or
-                   any(f"/{scope}" in op.name for scope in BACKWARD_SCOPES)
-                   for op in operations]
+    is_backward = _backward_ops(operations)
 
     # Each tensor's buffer: itself, or for aliasing ops the buffer of their input.
     buffer_of: dict[str, str] = {}

@@ -50,38 +50,71 @@ class MemoryPlan:
                 f"{prediction.exposed_transfer_ms:.3f} ms waiting for transfers")
 
 
-def _op_times(graph: tf.Graph, model: DeviceModel,
-              measured_ms: Optional[Mapping[str, float]]) -> list[float]:
+def _op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[str, float]],
+              step_ms: Optional[float]) -> list[float]:
+    """Each op's time: measured where given, else the device model's roofline, scaled so that
+    the step takes `step_ms` (a measurement of the whole step) if that is given."""
     measured_ms = measured_ms or {}
-    return [measured_ms.get(op.name, model.op_ms(op)) for op in graph.get_operations()]
-
-
-def _recompute_costs(graph: tf.Graph, report: LivenessReport, op_ms) -> dict[str, float]:
-    """Kept tensors whose producer may run again, whose inputs are held until then anyway, and
-    whose backward readers read them directly (not through an alias)."""
     operations = graph.get_operations()
-    last_use = {t.name: max(t.consumers, default=t.producer) for t in report.tensors}
-    costs = {}
+    estimated = {op.name: model.op_ms(op) for op in operations if op.name not in measured_ms}
+    scale = 1.0
+    if step_ms is not None and estimated:
+        rest = step_ms - sum(measured_ms.get(op.name, 0.0) for op in operations)
+        scale = max(rest, 0.0) / sum(estimated.values())
+    return [measured_ms[op.name] if op.name in measured_ms else estimated[op.name] * scale
+            for op in operations]
+
+
+MAX_CHAIN = 8  # ops recomputed for one tensor at most (a batch norm and its activation fit)
+
+
+def _recompute_chains(graph: tf.Graph, report: LivenessReport,
+                      op_ms) -> dict[str, tuple[float, tuple[str, ...]]]:
+    """For each kept tensor that can be made again: its cost and the ops before its producer to
+    run again too (a chain back to tensors held until then anyway, or variables), read directly
+    (not through an alias) by its backward readers."""
+    operations = graph.get_operations()
+    index = {op.name: i for i, op in enumerate(operations)}
+    by_name = {t.name: t for t in report.tensors}
+    chains = {}
     for tensor in report.kept():
-        producer = operations[tensor.producer]
-        if recomputable(producer) is not None:
-            continue
         first_backward = tensor.backward_consumers[0]
-        direct = all(any(read.name == tensor.name for read in operations[i].inputs)
-                     for i in tensor.backward_consumers)
-        held = all(last_use.get(t.name, first_backward) >= first_backward
-                   for t in producer.inputs)
-        if direct and held:
-            costs[tensor.name] = op_ms[tensor.producer]
-    return costs
+        if not all(any(read.name == tensor.name for read in operations[i].inputs)
+                   for i in tensor.backward_consumers):
+            continue
+
+        def held(read) -> bool:
+            buffer = by_name.get(_buffer(read))
+            return (buffer is None or buffer.bytes == 0  # variables, constants, resources
+                    or max(buffer.consumers, default=buffer.producer) >= first_backward)
+
+        chain, frontier, ok = [], [operations[tensor.producer]], True
+        while frontier and ok:
+            op = frontier.pop()
+            if op.name in chain:
+                continue
+            if recomputable(op) is not None or len(chain) == MAX_CHAIN:
+                ok = False
+                break
+            chain.append(op.name)
+            frontier += [read.op for read in op.inputs if not held(read)]
+        if ok:
+            ordered = sorted(chain, key=index.get)
+            cost = sum(op_ms[index[name]] for name in ordered)
+            chains[tensor.name] = (cost, tuple(ordered[:-1]))
+    return chains
 
 
 def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
-                     measured_ms: Optional[Mapping[str, float]] = None) -> MemoryPlan:
-    """Plans a training step's memory (a ConcreteFunction with its gradient ops)."""
+                     measured_ms: Optional[Mapping[str, float]] = None,
+                     step_ms: Optional[float] = None) -> MemoryPlan:
+    """Plans a training step's memory (a ConcreteFunction with its gradient ops). `measured_ms`
+    gives ops' measured times; `step_ms`, the measured time of the whole step without swaps,
+    calibrates the others."""
     graph = function.graph
     report = analyze(function)
-    op_ms = _op_times(graph, model, measured_ms)
+    op_ms = _op_times(graph, model, measured_ms, step_ms)
+    chains = _recompute_chains(graph, report, op_ms)
     operations = graph.get_operations()
 
     def anchored(index: int, consumers) -> int:
@@ -103,7 +136,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
 
     decisions = plan_memory(op_ms, report.tensors, model, budget_bytes,
                             persistent_bytes=report.persistent_bytes,
-                            recompute_ms=_recompute_costs(graph, report, op_ms),
+                            recompute_ms={name: cost for name, (cost, _) in chains.items()},
                             candidates={t.name for t in report.kept()},
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
@@ -124,7 +157,8 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
              for read, names in readers(decision.tensor).items()]
     recomputes = [Recompute(read, tuple(dict.fromkeys(names)),
                             operations[anchored(by_name[decision.tensor].backward_consumers[0] - 1,
-                                                by_name[decision.tensor].backward_consumers)].name)
+                                                by_name[decision.tensor].backward_consumers)].name,
+                            chains[decision.tensor][1])
                   for decision in decisions.recomputes
                   for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)

@@ -6,9 +6,11 @@ clone waits, through a control edge, for the op named as its trigger, so that it
 it is needed rather than as soon as its inputs exist (which would keep it alive all along, as
 SuperNeurons' cost-aware recomputation avoids).
 
+A producer whose own inputs were not kept is recomputed with the chain of ops back to kept tensors
+(SuperNeurons' segments, e.g. a batch normalization and ReLU from the kept convolution output).
 Only ops that give the same result when run again may be cloned: stateful ops (random numbers,
-variable updates) are refused. The clone's inputs must stay alive until it runs; the planner only
-proposes tensors whose producers read kept tensors or variables.
+variable updates) are refused. The chain's inputs must stay alive until it runs; the planner only
+proposes chains that start from kept tensors or variables.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ _NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
 @dataclasses.dataclass(frozen=True)
 class Recompute(KeptTensor):
     """Make `tensor` again for `backward_consumers`, after `trigger` ran (or as soon as its
-    inputs exist if None)."""
+    inputs exist if None). `chain` names the ops before its producer that must run again too
+    (their outputs were not kept either), in execution order."""
 
     trigger: Optional[str] = None
+    chain: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "chain", tuple(self.chain))
 
 
 class RecomputeError(ValueError):
@@ -56,25 +64,38 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
+    clones: dict[str, str] = {}  # original op -> its clone, shared by chains that meet
     for recompute in recomputes:
-        producer = nodes.get(recompute.producer)
-        if producer is None:
-            raise RecomputeError(f"{recompute.tensor}: no node {recompute.producer!r}")
-        reason = recomputable(graph.get_operation_by_name(recompute.producer))
-        if reason:
-            raise RecomputeError(f"{recompute.tensor}: {reason}")
         if recompute.trigger is not None and recompute.trigger not in nodes:
             raise RecomputeError(f"{recompute.tensor}: the trigger names no node "
                                  f"({recompute.trigger!r})")
-        clone = result.node.add()
-        clone.CopyFrom(producer)
-        clone.name = f"{producer.name}/ucudnn_recompute"
-        if recompute.trigger is not None:
-            clone.input.append(f"^{recompute.trigger}")
-            protect(nodes[recompute.trigger])
-        protect(clone)
+        for name in (*recompute.chain, recompute.producer):
+            if name in clones:
+                continue
+            original = nodes.get(name)
+            if original is None:
+                raise RecomputeError(f"{recompute.tensor}: no node {name!r}")
+            reason = recomputable(graph.get_operation_by_name(name))
+            if reason:
+                raise RecomputeError(f"{recompute.tensor}: {name}: {reason}")
+            clone = result.node.add()
+            clone.CopyFrom(original)
+            clone.name = f"{name}/ucudnn_recompute"
+            reads_a_clone = False
+            for i, text in enumerate(clone.input):
+                source, _, index = text.lstrip("^").partition(":")
+                if source in clones:
+                    clone.input[i] = ("^" if text.startswith("^") else "") + clones[source] + \
+                        (f":{index}" if index else "")
+                    reads_a_clone = True
+            if recompute.trigger is not None and not reads_a_clone:
+                clone.input.append(f"^{recompute.trigger}")  # the chain starts no earlier
+                protect(nodes[recompute.trigger])
+            protect(clone)
+            clones[name] = clone.name
         index = recompute.output_index
-        rewire(nodes, recompute, clone.name if index == 0 else f"{clone.name}:{index}",
+        producer_clone = clones[recompute.producer]
+        rewire(nodes, recompute, producer_clone if index == 0 else f"{producer_clone}:{index}",
                RecomputeError)
     return result
 
