@@ -143,7 +143,7 @@ class Prediction:
 
     @property
     def exposed_transfer_ms(self) -> float:
-        return self.step_ms - self.compute_ms
+        return max(self.step_ms - self.compute_ms, 0.0)  # not -0.0 from rounding
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {"exposed_transfer_ms": self.exposed_transfer_ms}
