@@ -56,7 +56,8 @@ def _train(name: str, args) -> dict:
     callbacks = [timer]
     planner = None
     if args.callback:
-        planner = tf_ucudnn.MicroBatchCallback(args.callback, database=args.database)
+        planner = tf_ucudnn.MicroBatchCallback(args.callback, database=args.database,
+                                               profiles=args.profiles)
         callbacks.insert(0, planner)
     jit = model.jit_compile
     model.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, shuffle=False,
@@ -116,6 +117,8 @@ def main():
     one.add_argument("--callback", help="train with MicroBatchCallback at this workspace limit")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
+    one.add_argument("--profiles", nargs="*", default=[],
+                     help="JSON-lines profiles to import first (measured earlier on this GPU)")
     one.add_argument("--label", required=True)
     one.add_argument("--out", required=True)
     many = commands.add_parser("combine", help="put runs side by side")

@@ -21,7 +21,9 @@ for config in $configs; do
   esac
   env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
     --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-15}" --epochs 3 \
-    --database "${DATABASE:-/tmp/tf_ucudnn_profiles.sqlite}" "${options[@]}" --label "$config" \
+    --database "${DATABASE:-/tmp/tf_ucudnn_profiles.sqlite}" \
+    --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \
+    "${options[@]}" --label "$config" \
     --out "$out/$config.json" \
     2>&1 | grep -v "^W0000\|^I0000" | tee "$out/$config.log"
 done
