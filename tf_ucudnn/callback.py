@@ -120,10 +120,15 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.report is None and (self._patched or self.memory_budget_bytes is not None):
-            self._plan()
-            self._retrace()
-            if self.memory_budget_bytes is not None:
-                self._plan_memory()
+            try:
+                self._plan()
+                self._retrace()
+                if self.memory_budget_bytes is not None:
+                    self._plan_memory()
+            except BaseException:
+                self.on_train_end()  # Keras skips it when training stops on an error
+                raise
+            self._guard_train_function()
 
     def on_train_end(self, logs=None):
         self.model.__dict__.pop("train_step", None)
@@ -273,6 +278,22 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.model.make_train_function()
         self.model.test_function = None
         self.model.predict_function = None
+
+    def _guard_train_function(self) -> None:
+        """A step that fails gives the model its own layers back before the error goes on:
+        Keras calls no callback when training stops on an error."""
+        inner = self.model.train_function
+
+        def train_function(iterator):
+            try:
+                return inner(iterator)
+            except StopIteration:  # the end of an epoch, not an error
+                raise
+            except BaseException:
+                self.on_train_end()
+                raise
+        train_function.__qualname__ = inner.__qualname__
+        self.model.train_function = train_function
 
 
 def _leave_alone_because(reason: str) -> Planner:
