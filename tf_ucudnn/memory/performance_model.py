@@ -293,8 +293,9 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
 
     Each round looks at the largest kept tensors alive at the predicted peak and takes, of the
     choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
-    the latest prefetch of all; recomputing where `recompute_ms` gives its cost), the one that
-    keeps the predicted step shortest. Raises BudgetError, saying by how much the
+    the latest prefetch of all; recomputing where `recompute_ms` gives its cost; bringing an
+    already swapped tensor back later), the one that costs the least predicted step time per
+    byte it frees. Raises BudgetError, saying by how much the
     budget is missed, when no kept tensor alive at the peak is left to choose. `candidates`
     limits the choice to these tensors (default: every kept tensor of nonzero size);
     `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use (or
@@ -311,9 +312,24 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                         and t.name not in decided
                         and t.producer <= prediction.peak_op <= t.consumers[-1]),
                        key=lambda t: -t.bytes)[:candidates_per_round]
-        if not alive:
+        # A swapped tensor already back at the peak may come back later instead.
+        by_name = {t.name: t for t in tensors}
+        deferrable = [(i, d) for i, d in enumerate(swaps)
+                      if d.prefetch_after < prediction.peak_op
+                      < by_name[d.tensor].backward_consumers[0]]
+        if not alive and not deferrable:
             raise BudgetError(budget_bytes, prediction)
         options = []
+        for i, decision in deferrable:
+            tensor = by_name[decision.tensor]
+            later = tensor.backward_consumers[0] - 1
+            if prefetch_point is not None:
+                later = prefetch_point(tensor, later)
+            if later > decision.prefetch_after:
+                options.append(([*swaps[:i], *swaps[i + 1:], SwapDecision(tensor.name, later)],
+                                recomputes))
+        if not alive and not options:
+            raise BudgetError(budget_bytes, prediction)
         for tensor in alive:
             for prefetch in {latest_hiding_prefetch(tensor, op_ms, model),
                              tensor.backward_consumers[0] - 1}:
@@ -327,13 +343,17 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                                         RecomputeDecision(tensor.name, recompute_ms[tensor.name])]))
         outcomes = [(predict(op_ms, tensors, model, s, persistent_bytes, r), s, r)
                     for s, r in options]
-        # Choices that lower the peak first, then the shortest step.
-        best = min(outcomes, key=lambda o: (o[0].peak_bytes >= prediction.peak_bytes,
-                                            o[0].step_ms, o[0].peak_bytes))
+        # Choices that lower the peak first, cheapest per byte they free, then the shortest step.
+        def value(outcome):
+            freed = prediction.peak_bytes - outcome[0].peak_bytes
+            cost = max(outcome[0].step_ms - prediction.step_ms, 0.0)
+            return (freed <= 0, cost / max(freed, 1), outcome[0].step_ms)
+        best = min(outcomes, key=value)
         # Swaps that each lower the peak at no cost are taken together, if together they still
         # cost nothing: one round instead of one each, when many transfers hide.
         free = {o[1][-1].tensor: o[1][-1] for o in outcomes
-                if o[1] is not swaps and o[0].peak_bytes < prediction.peak_bytes
+                if o[1] is not swaps and len(o[1]) > len(swaps)  # new swaps, not deferrals
+                and o[0].peak_bytes < prediction.peak_bytes
                 and o[0].step_ms <= prediction.step_ms + 1e-9}
         if len(free) > 1:
             together = [*swaps, *free.values()]
