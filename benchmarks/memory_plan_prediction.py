@@ -1,0 +1,56 @@
+"""What the memory planner predicts for a Keras model's training step under shrinking budgets,
+on the CPU (planning needs no GPU): the peak reached, swaps, recomputations, predicted step time,
+and the planning time itself.
+
+    python benchmarks/memory_plan_prediction.py --model resnet50 --batch 256 --step-ms 250 \\
+        --out benchmarks/results/memory_plan_prediction_resnet50.json
+
+`--step-ms` is the measured step time without swaps, which calibrates the op time estimates;
+`--link-gb-s` the host-device bandwidth each way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from tf_ucudnn import models
+from tf_ucudnn.memory import BudgetError, DeviceModel, analyze, keras_training_step
+from tf_ucudnn.memory.planner import plan_step_memory
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=250.0)
+    parser.add_argument("--link-gb-s", type=float, default=25.0)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6, 0.4, 0.3])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    step = keras_training_step(models.load_model(args.model), args.batch)
+    liveness = analyze(step)
+    peak = liveness.peak_bytes + liveness.persistent_bytes
+    link = DeviceModel("assumed", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
+    results = {"benchmark": "memory_plan_prediction", "model": args.model, "batch": args.batch,
+               "step_ms": args.step_ms, "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
+               "unplanned_peak_bytes": peak, "budgets": []}
+    for fraction in args.fractions:
+        start = time.perf_counter()
+        row = {"fraction": fraction, "budget_bytes": int(peak * fraction)}
+        try:
+            plan = plan_step_memory(step, row["budget_bytes"], link, step_ms=args.step_ms)
+            row.update(plan.decisions.prediction.to_json(), swaps=len(plan.swaps),
+                       recomputes=len(plan.recomputes))
+        except BudgetError as error:
+            row.update(error=str(error), shortfall_bytes=error.shortfall_bytes)
+        row["planning_s"] = time.perf_counter() - start
+        results["budgets"].append(row)
+        print(json.dumps(row)[:240], flush=True)
+    with open(args.out, "w") as out:
+        json.dump(results, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
