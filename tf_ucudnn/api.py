@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_function
 from tf_ucudnn.graph.rewrite import Planner, RewriteReport, rewrite_convolutions
+from tf_ucudnn.memory.performance_model import DeviceModel
+from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
 from tf_ucudnn.planner import DatabasePlanner, parse_bytes
 
 Size = Union[int, str, None]
@@ -48,7 +51,7 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     if not plans_convolutions and memory_budget is None:
         raise ValueError("nothing to plan: give a planner, a workspace_limit, a "
                          "workspace_budget or a memory_budget")
-    if memory_budget is not None and not _is_function(target):
+    if memory_budget is not None and not is_concrete_function(target):
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
                         f"(got {type(target).__name__})")
 
@@ -63,22 +66,13 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
         else:
             rewritten, report = rewrite_convolutions(target, planner,
                                                      inline_functions=inline_functions)
-    elif inline_functions and _is_function(target):
-        from tf_ucudnn.graph.functions import inline_function_calls
-
+    elif inline_functions and is_concrete_function(target):
         rewritten = inline_function_calls(target)
     if memory_budget is None:
         return rewritten, report
-
-    from tf_ucudnn.memory import DeviceModel
-    from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
 
     step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
         else rewritten
     report.memory = plan_step_memory(step, parse_bytes(memory_budget),
                                      device_model or DeviceModel.measure(), step_ms=step_ms)
     return apply_memory_plan(step, report.memory), report
-
-
-def _is_function(target) -> bool:
-    return hasattr(target, "graph") and hasattr(target, "captured_inputs")

@@ -12,23 +12,22 @@ convolution back, so the model is plain again for whatever follows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import keras
 import tensorflow as tf
 
 from tf_ucudnn import ops
+from tf_ucudnn.api import rewrite
 from tf_ucudnn.graph.conv_layers import (
     ConvLayer,
     UnsupportedConvolution,
     check_keras_convolution,
     keras_conv_layer,
 )
-from tf_ucudnn.graph.rewrite import LeftAlone, RewriteReport, RewrittenLayer
+from tf_ucudnn.graph.rewrite import LeftAlone, Planner, RewriteReport, RewrittenLayer
 from tf_ucudnn.plan import LayerPlan
 from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
-
-Planner = Callable[[ConvLayer], Union[LayerPlan, str]]
 
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                       keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -197,8 +196,6 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.model.__dict__["train_step"] = train_step
 
     def _plan_memory(self) -> None:
-        from tf_ucudnn.api import rewrite
-
         self.model.__dict__.pop("train_step", None)
         batch = int(self._observed_batch.numpy())
         specs = tf.nest.map_structure(

@@ -17,16 +17,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tf_ucudnn.graph.conv_layers import ConvLayer
-from tf_ucudnn.graph.rewrite import RewriteReport, rewrite_convolutions
-from tf_ucudnn.plan import LayerPlan
+from tf_ucudnn.api import rewrite
+from tf_ucudnn.graph.rewrite import Planner, RewriteReport, rewrite_convolutions
 from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
-
-Planner = Callable[[ConvLayer], Union[LayerPlan, str]]
 
 
 class ConversionError(RuntimeError):
@@ -132,8 +129,6 @@ class Converter:
         traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
         planned, report = rewrite_convolutions(traced, planner, inline_functions=True)
         if self.memory_budget_bytes is not None:
-            from tf_ucudnn.api import rewrite
-
             planned, with_memory = rewrite(planned.get_concrete_function(),
                                            memory_budget=self.memory_budget_bytes,
                                            device_model=self._device_model)

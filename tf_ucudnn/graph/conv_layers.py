@@ -20,6 +20,14 @@ from tf_ucudnn.profiling.records import ConvGeometry
 CONV_OP_TYPES = {"Conv2D": 2, "Conv3D": 3}
 
 
+def same_padding(size: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """(before, after) padding of one dimension under SAME, as TensorFlow computes it."""
+    effective = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + effective - size, 0)
+    return total // 2, total - total // 2
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvLayer:
     """One forward convolution of a graph, in TensorFlow's own terms."""
@@ -61,16 +69,9 @@ class ConvLayer:
         if self.padding == "EXPLICIT":
             pairs = list(zip(self.explicit_paddings[::2], self.explicit_paddings[1::2]))
             return self._spatial(pairs)
-        result = []
-        for size, k, s, d in zip(self.input_spatial, self.filter_shape, strides, dilations):
-            if self.padding == "VALID":
-                result.append((0, 0))
-                continue
-            effective = (k - 1) * d + 1
-            out = -(-size // s)
-            total = max((out - 1) * s + effective - size, 0)
-            result.append((total // 2, total - total // 2))
-        return result
+        return [same_padding(size, k, s, d) if self.padding == "SAME" else (0, 0)
+                for size, k, s, d in zip(self.input_spatial, self.filter_shape, strides,
+                                         dilations)]
 
     def output_spatial(self) -> tuple[int, ...]:
         strides, dilations = self._spatial(self.strides), self._spatial(self.dilations)

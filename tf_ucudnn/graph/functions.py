@@ -8,6 +8,10 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import convert_to_constants
 
 
+def is_concrete_function(target) -> bool:
+    return hasattr(target, "graph") and hasattr(target, "captured_inputs")
+
+
 def inline_function_calls(function):
     """The ConcreteFunction's graph with every function call inlined, as a tf.function.
 

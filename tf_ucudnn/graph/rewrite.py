@@ -23,7 +23,11 @@ from tf_ucudnn.graph.conv_layers import (
     conv_layer_of,
     find_conv_layers,
 )
-from tf_ucudnn.graph.functions import callable_over, inline_function_calls
+from tf_ucudnn.graph.functions import (
+    callable_over,
+    inline_function_calls,
+    is_concrete_function,
+)
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
@@ -202,7 +206,7 @@ def rewrite_convolutions(target, planner: Planner, *, inline_functions: bool = F
         return rewrite_graph_def(target, planner)
     if isinstance(target, tf.Graph):
         return rewrite_graph_def(target.as_graph_def(), planner, target)
-    if hasattr(target, "graph") and hasattr(target, "captured_inputs"):
+    if is_concrete_function(target):
         if inline_functions:
             target = inline_function_calls(target).get_concrete_function()
         graph_def, report = rewrite_graph_def(target.graph.as_graph_def(), planner, target.graph)

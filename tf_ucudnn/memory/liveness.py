@@ -21,7 +21,8 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from tf_ucudnn.memory.performance_model import TensorUse
+from tf_ucudnn.graph.functions import is_concrete_function
+from tf_ucudnn.memory.performance_model import TensorUse, tensor_bytes
 
 # Ops whose output is their input's buffer.
 ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot",
@@ -120,7 +121,7 @@ def _graph_of(target) -> tuple[tf.Graph, set[str]]:
         return graph, set()
     if isinstance(target, tf.Graph):
         return target, set()
-    if hasattr(target, "graph") and hasattr(target, "outputs"):
+    if is_concrete_function(target):
         return target.graph, {t.name for t in target.outputs}
     raise TypeError(f"analyze takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
                     f"{type(target).__name__}")
@@ -145,14 +146,6 @@ def _backward_ops(operations) -> list[bool]:
     return backward
 
 
-def _size(tensor: tf.Tensor) -> Optional[int]:
-    if tensor.dtype in (tf.resource, tf.variant):
-        return 0
-    if not tensor.shape.is_fully_defined():
-        return None
-    return tensor.shape.num_elements() * tensor.dtype.size
-
-
 def analyze(target) -> LivenessReport:
     """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
     graph, returned = _graph_of(target)
@@ -174,7 +167,7 @@ def analyze(target) -> LivenessReport:
         for output in op.outputs:
             if buffer_of[output.name] != output.name:
                 continue
-            size = _size(output)
+            size = tensor_bytes(output)
             if size is None:
                 unknown.append(output.name)
                 size = 0

@@ -39,7 +39,7 @@ class DeviceModel:
     def op_ms(self, op: tf.Operation) -> float:
         """A roofline estimate of one op's time: its FLOPs at peak or its bytes at the memory
         bandwidth, whichever is longer, plus a launch; tensors of unknown shape count as none."""
-        moved = sum(_bytes(t) for t in (*op.inputs, *op.outputs))
+        moved = sum(tensor_bytes(t) or 0 for t in (*op.inputs, *op.outputs))
         return self.launch_ms + 1e3 * max(_flops(op) / self.peak_flops,
                                           moved / self.memory_bandwidth)
 
@@ -72,9 +72,12 @@ class DeviceModel:
                    host_to_device=rate(on_host, device))
 
 
-def _bytes(tensor) -> int:
-    if tensor.dtype in (tf.resource, tf.variant) or not tensor.shape.is_fully_defined():
+def tensor_bytes(tensor) -> Optional[int]:
+    """A tensor's size on the device: 0 for handles (resources, variants), None if unknown."""
+    if tensor.dtype in (tf.resource, tf.variant):
         return 0
+    if not tensor.shape.is_fully_defined():
+        return None
     return tensor.shape.num_elements() * tensor.dtype.size
 
 

@@ -117,14 +117,19 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
     chains = _recompute_chains(graph, report, op_ms)
     operations = graph.get_operations()
 
-    def anchored(index: int, consumers) -> int:
+    readers_inputs: dict[tuple, set] = {}  # asked once per option per round: read once
+
+    def anchored(index: int, consumers: tuple) -> int:
         """The op at `index`, or the last one before it fit to start a swap-in or recomputation
         after. Not ops without inputs (constants run whenever the executor likes, so they time
         nothing); not stateful ones (variable reads get ordering edges of their own from
         tf.function); not ops sharing an input with a reader of the swapped tensor (TensorFlow's
         fusions, such as oneDNN's filter gradient with bias gradient, would merge the two and
         close a cycle through the swap-in)."""
-        shared = {t.name for i in consumers for t in operations[i].inputs}
+        shared = readers_inputs.get(consumers)
+        if shared is None:
+            shared = readers_inputs[consumers] = {t.name for i in consumers
+                                                  for t in operations[i].inputs}
 
         def unfit(op):
             return (not op.inputs or op.op_def.is_stateful

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tf_ucudnn import ops
-from tf_ucudnn.graph.conv_layers import ConvLayer
+from tf_ucudnn.graph.conv_layers import ConvLayer, same_padding
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
 
@@ -104,13 +104,6 @@ def _rows(x, begin: int, end: int):
     return tf.slice(x, begin_index, size)
 
 
-def _same_pads(size: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
-    effective = (kernel - 1) * dilation + 1
-    out = -(-size // stride)
-    total = max((out - 1) * stride + effective - size, 0)
-    return total // 2, total - total // 2
-
-
 def _window_rows(slabs: Slabs, index: int, begin: int, end: int, layer: str):
     """Rows [begin, end) of the whole volume (zeros outside it) on device `index`, from its own
     slab and its neighbours'."""
@@ -155,7 +148,7 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     size = slabs.starts[-1]
     padding = padding.upper()
     if padding == "SAME":
-        before, after = _same_pads(size, kernel, stride, dilation)
+        before, after = same_padding(size, kernel, stride, dilation)
     elif padding == "VALID":
         before = after = 0
     else:
@@ -166,8 +159,8 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     other_pads = []
     for axis in range(1, spatial):
         full = int(slabs.parts[0].shape[SPLIT_AXIS + axis])
-        other_pads.append(_same_pads(full, int(filters.shape[axis]), strides[axis], dilations[axis])
-                          if padding == "SAME" else (0, 0))
+        other_pads.append(same_padding(full, int(filters.shape[axis]), strides[axis],
+                                       dilations[axis]) if padding == "SAME" else (0, 0))
     convolve = ops.conv2d if spatial == 2 else ops.conv3d
 
     def run(rows):
