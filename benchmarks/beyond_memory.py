@@ -6,8 +6,9 @@ side in one process.
         --out benchmarks/results/beyond_memory_h100.json
 
 The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperNeurons, AccUDNN
-and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, with
-a memory budget a little under the cap (TensorFlow's allocator needs some room of its own).
+and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, each
+with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
+trains.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -101,8 +102,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "resnet152"])
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
-    parser.add_argument("--budget-fraction", type=float, default=0.9,
-                        help="tf_ucudnn's memory budget, as a fraction of the cap")
+    parser.add_argument("--budget-fractions", type=float, nargs="+", default=[0.85, 0.7],
+                        help="tf_ucudnn's memory budgets, as fractions of the cap, tried in turn "
+                        "while the step runs out of memory (TensorFlow's allocator and "
+                        "executor order need room the plan does not see)")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -116,11 +119,11 @@ def main():
 
     device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else DeviceModel.measure())
     results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
-               "memory_limit_gib": args.memory_limit_gib, "budget_fraction": args.budget_fraction,
+               "memory_limit_gib": args.memory_limit_gib,
+               "budget_fractions": args.budget_fractions,
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},
                "models": {}}
-    budget = int(args.memory_limit_gib * args.budget_fraction * (1 << 30))
     for name in (["smoke"] if args.smoke else args.models):
         tf.keras.utils.set_random_seed(0)
         model = (tf.keras.Sequential([
@@ -131,14 +134,15 @@ def main():
         batch, rate = _largest_plain_batch(model, shape, args.start_batch, args.max_batch,
                                            args.steps)
         entry = {"tensorflow": {"largest_batch": batch, "img_per_s": rate}, "tf_ucudnn": []}
-        for factor in (4, 3, 2):
-            if batch is None:
-                break
+        trials = [(factor, fraction) for factor in (4, 3, 2)
+                  for fraction in args.budget_fractions] if batch else []
+        for factor, fraction in trials:
             # Op times calibrated by TensorFlow's own step, scaled to the batch.
             step_ms = factor * batch / rate * 1e3
+            budget = int(args.memory_limit_gib * fraction * (1 << 30))
             trial = _with_tf_ucudnn(model, shape, factor * batch, budget, device_model,
                                     args.steps, step_ms)
-            trial["factor"] = factor
+            trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
             entry["tf_ucudnn"].append(trial)

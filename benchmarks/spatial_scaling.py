@@ -1,16 +1,21 @@
-"""Strong scaling of a CosmoFlow-style model split spatially over the GPUs of one host, and a
-sample too large for one GPU trained on several, side by side in one run; with the scaling model's
-prediction for each, from the measured one-GPU speed and device-to-device bandwidth.
+"""Hybrid data x spatial parallelism of a CosmoFlow-style model over the GPUs of one host, side by
+side in one run: strong scaling (a fixed sample split over more GPUs), weak scaling (the volume
+growing with the GPU count along the split depth), data x spatial mixes at the largest GPU count, and a sample too large
+for one GPU trained on several; each set against the scaling model's prediction, calibrated by the
+measured one-GPU speed and device-to-device bandwidth.
 
     python benchmarks/spatial_scaling.py --edge 128 --batch 4 --devices 1 2 \\
-        --large-edge 512 --out benchmarks/results/spatial_scaling_h200x2.json
+        --large-edge 512 --memory-limit-gib 32 --out benchmarks/results/spatial_scaling_h200x2.json
 
-Without GPUs, `--smoke` runs it on logical CPUs with a tiny volume, to check the script.
+`--memory-limit-gib` caps each GPU (a logical device with `memory_limit`), to show a sample that
+needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical CPUs with a tiny
+volume, to check the script.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -20,31 +25,39 @@ import tensorflow as tf
 FILTERS = (16, 32, 64, 128, 256)
 
 
-def _devices(smoke: bool, count: int) -> list[str]:
+def _setup_devices(smoke: bool, count: int, memory_limit_gib: float) -> list[str]:
     if smoke:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * count)
         return [f"/CPU:{i}" for i in range(count)]
+    gpus = tf.config.list_physical_devices("GPU")[:count]
+    if len(gpus) < count:
+        raise SystemExit(f"{count} GPUs asked for, {len(gpus)} visible")
+    if memory_limit_gib:
+        for gpu in gpus:
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(int(memory_limit_gib * 1024))])
     return [f"/GPU:{i}" for i in range(count)]
 
 
-def _time_steps(model, edge, channels, batch, steps):
-    x = tf.random.stateless_uniform([batch, edge, edge, edge, channels], seed=[1, 2])
-    y = tf.zeros([batch, 4])
-    optimizer = tf.keras.optimizers.SGD(1e-3)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
-        return loss
-
-    step().numpy()
+def _time_steps(make_model, size, channels, batch, steps, strategy=None):
+    """Seconds per Keras training step (`train_on_batch`, so data groups go through the
+    strategy's all-reduce), after one step to build and trace. `size`: an edge, or (depth,
+    height, width)."""
+    tf.keras.utils.set_random_seed(0)
+    shape = (size,) * 3 if isinstance(size, int) else size
+    x = np.random.RandomState(0).rand(batch, *shape, channels).astype("float32")
+    y = np.zeros([batch, 4], "float32")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = make_model()
+        model.compile(tf.keras.optimizers.SGD(1e-3), "mse")
+    model.train_on_batch(x, y)
     start = time.perf_counter()
     for _ in range(steps):
-        loss = step()
-    loss.numpy()
-    return (time.perf_counter() - start) / steps
+        loss = model.train_on_batch(x, y)
+    float(loss)
+    return (time.perf_counter() - start) / steps, model
 
 
 def _copy_bandwidth(source: str, target: str, megabytes: int = 256) -> float:
@@ -69,62 +82,92 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--memory-limit-gib", type=float, default=0.0)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.smoke:
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * max(args.devices))
+    all_devices = _setup_devices(args.smoke, max(args.devices), args.memory_limit_gib)
 
     from tf_ucudnn.parallel.cosmoflow import SpatialCosmoFlow
     from tf_ucudnn.parallel.scaling import Link, cosmoflow_step_cost
 
     filters = FILTERS[:3] if args.smoke else FILTERS
+
+    def cosmoflow(size, mesh):
+        return lambda: SpatialCosmoFlow(size, args.channels, filters, mesh=mesh)
+
     results = {"benchmark": "spatial_scaling", "tensorflow": tf.__version__,
-               "devices": [d.name for d in tf.config.list_logical_devices(
-                   "CPU" if args.smoke else "GPU")],
-               "edge": args.edge, "batch": args.batch, "filters": list(filters), "runs": []}
+               "devices": [tf.config.experimental.get_device_details(gpu).get("device_name")
+                           for gpu in tf.config.list_physical_devices("GPU")] or all_devices,
+               "memory_limit_gib": args.memory_limit_gib or None, "edge": args.edge,
+               "batch": args.batch, "filters": list(filters), "steps": args.steps}
+
+    def record(section, row):
+        results.setdefault(section, []).append(row)
+        print(section, row, flush=True)
+
     step_s = {}
     for count in args.devices:
-        tf.keras.utils.set_random_seed(0)
-        model = SpatialCosmoFlow(args.edge, args.channels, filters, mesh=[_devices(
-            args.smoke, count)])
-        step_s[count] = _time_steps(model, args.edge, args.channels, args.batch, args.steps)
-        parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-        results["runs"].append({"devices": count, "step_s": step_s[count],
-                                "efficiency": step_s[args.devices[0]] * args.devices[0]
-                                / (count * step_s[count])})
-        print(results["runs"][-1], flush=True)
+        step_s[count], model = _time_steps(cosmoflow(args.edge, [all_devices[:count]]),
+                                           args.edge, args.channels, args.batch, args.steps)
+        record("strong", {"devices": count, "spatial": count, "step_s": step_s[count],
+                          "efficiency": step_s[1] / (count * step_s[count])})
+    parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+    # Weak scaling: the split dimension (depth) grows with the devices, each keeps one edge^3.
+    for count in args.devices:
+        size = (args.edge * count, args.edge, args.edge)
+        seconds, _ = _time_steps(cosmoflow(size, [all_devices[:count]]), size, args.channels,
+                                 args.batch, args.steps)
+        weak_one = results["weak"][0]["step_s"] if count > 1 else seconds
+        record("weak", {"devices": count, "volume": list(size), "step_s": seconds,
+                        "efficiency": weak_one / seconds})
+
+    count = max(args.devices)
+    for groups in (d for d in range(1, count + 1) if count % d == 0):
+        per_group = count // groups
+        mesh = [all_devices[g * per_group:(g + 1) * per_group] for g in range(groups)]
+        strategy = (tf.distribute.MirroredStrategy([group[0] for group in mesh])
+                    if groups > 1 else None)
+        seconds, _ = _time_steps(cosmoflow(args.edge, mesh), args.edge, args.channels,
+                                 args.batch, args.steps, strategy)
+        record("mixes", {"data": groups, "spatial": per_group, "step_s": seconds,
+                         "efficiency": step_s[1] / (count * seconds)})
 
     # The scaling model, calibrated by the one-device speed and a device-to-device copy.
     one = cosmoflow_step_cost(args.edge, args.channels, filters, args.batch, 1, 1,
                               Link(1.0, 1.0, 1.0), parameters)
-    flops = one.compute_s / step_s[args.devices[0]] if args.devices[0] == 1 else None
-    if flops and max(args.devices) > 1:
-        devices = _devices(args.smoke, 2)
-        link = Link(flops, _copy_bandwidth(devices[0], devices[1]),
-                    _copy_bandwidth(devices[0], devices[1]))
-        results["scaling_model"] = {"flops": flops, "halo_bandwidth": link.halo_bandwidth,
-                                    "predicted": [{"devices": count, **cosmoflow_step_cost(
-                                        args.edge, args.channels, filters, args.batch, count, 1,
-                                        link, parameters).to_json()}
-                                        for count in [*args.devices, 4, 8]]}
+    flops = one.compute_s / step_s[1]
+    if count > 1:
+        bandwidth = _copy_bandwidth(all_devices[0], all_devices[1])
+        link = Link(flops, bandwidth, bandwidth)
+        predicted = {}
+        for devices in sorted({*args.devices, 4, 8}):
+            predicted[f"strong_{devices}"] = cosmoflow_step_cost(
+                args.edge, args.channels, filters, args.batch, devices, 1, link,
+                parameters).to_json()
+            predicted[f"weak_{devices}"] = cosmoflow_step_cost(
+                args.edge, args.channels, filters, args.batch, devices, 1, link, parameters,
+                depth=args.edge * devices).to_json()
+        for row in results["mixes"]:
+            predicted[f"mix_{row['data']}x{row['spatial']}"] = cosmoflow_step_cost(
+                args.edge, args.channels, filters, args.batch, row["spatial"], row["data"],
+                link, parameters).to_json()
+        results["scaling_model"] = {"flops": flops, "device_to_device_bytes_per_s": bandwidth,
+                                    "predicted": predicted}
+
     if args.large_edge:
-        count = max(args.devices)
         run = {"edge": args.large_edge, "batch": 1}
         for devices in (1, count):
-            tf.keras.utils.set_random_seed(0)
-            model = SpatialCosmoFlow(args.large_edge, args.channels, filters,
-                                     mesh=[_devices(args.smoke, devices)])
             try:
-                run[f"step_s_{devices}"] = _time_steps(model, args.large_edge, args.channels, 1,
-                                                       args.steps)
+                run[f"step_s_{devices}"], _ = _time_steps(
+                    cosmoflow(args.large_edge, [all_devices[:devices]]), args.large_edge,
+                    args.channels, 1, args.steps)
             except tf.errors.ResourceExhaustedError as error:
                 run[f"step_s_{devices}"] = None
                 run[f"error_{devices}"] = str(error).splitlines()[0][:200]
         results["large_sample"] = run
-        print(run, flush=True)
+        print("large_sample", run, flush=True)
     with open(args.out, "w") as out:
         json.dump(results, out, indent=1)
 

@@ -41,6 +41,17 @@ def test_outputs_and_gradients_equal_the_unsplit_model(split):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 
+def test_a_deeper_than_wide_volume_splits_along_its_depth():
+    tf.keras.utils.set_random_seed(4)
+    shape = dict(SMALL, input_size=(32, 16, 16))
+    whole = SpatialCosmoFlow(**shape)
+    parted = SpatialCosmoFlow(**shape, spatial_split=4)
+    parted.set_weights(whole.get_weights())
+    x = np.random.RandomState(5).rand(2, 32, 16, 16, 2).astype("float32")
+    np.testing.assert_allclose(parted(x).numpy(), whole(x).numpy(), rtol=1e-5, atol=1e-6)
+    assert whole.dense_layers[0].kernel.shape[0] == 8 * 4 * 4 * 8  # 32x16x16 pooled twice, 8 ch
+
+
 def _fit(model, epochs=2):
     x, y = _data()
     model.compile(tf.keras.optimizers.SGD(0.05), "mse")

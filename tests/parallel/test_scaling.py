@@ -40,3 +40,13 @@ def test_strong_scaling_efficiency_falls_with_more_devices():
     efficiencies = [row["efficiency"] for row in rows]
     assert efficiencies[0] == pytest.approx(1.0)
     assert efficiencies == sorted(efficiencies, reverse=True)
+
+
+def test_a_volume_twice_as_deep_over_twice_the_devices_costs_the_same_work_per_device():
+    one = cosmoflow_step_cost(16, 2, [4, 8], batch=1, spatial=1, groups=1, link=LINK,
+                              parameters=0)
+    weak = cosmoflow_step_cost(16, 2, [4, 8], batch=1, spatial=2, groups=1, link=LINK,
+                               parameters=0, depth=32)
+    assert weak.compute_s == pytest.approx(one.compute_s)
+    # The faces between slabs stay edge x edge, whatever the depth.
+    assert weak.halo_bytes == (16 ** 2 * (2 + 4) + 8 ** 2 * (4 + 8)) * 4

@@ -13,7 +13,7 @@ are the first devices of the spatial groups in `mesh`, the batch is also split a
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -42,7 +42,8 @@ class SpatialCosmoFlow(keras.Model):
     """CosmoFlow with its convolutions split over devices along the depth.
 
     Args:
-      input_size: the volume's edge (input is input_size^3 x channels, channels-last).
+      input_size: the volume's edge (input is input_size^3 x channels, channels-last), or its
+        (depth, height, width); the depth is split.
       channels: input channels (4 redshifts in CosmoFlow's data).
       filters: the convolution blocks' filters; each block halves the volume.
       dense: the dense head's hidden units; `outputs` the regression targets.
@@ -52,27 +53,29 @@ class SpatialCosmoFlow(keras.Model):
         `tf_ucudnn.rewrite` takes one.
     """
 
-    def __init__(self, input_size: int = 64, channels: int = 4,
+    def __init__(self, input_size: Union[int, Sequence[int]] = 64, channels: int = 4,
                  filters: Sequence[int] = (16, 32, 64, 128), dense: Sequence[int] = (128, 64),
                  outputs: int = 4, spatial_split: int = 1,
                  mesh: Optional[Sequence[Sequence[str]]] = None, planner=None, **kwargs):
         super().__init__(**kwargs)
         self.planner = planner
-        self.input_size, self.channels = input_size, channels
+        self.input_size = ((input_size,) * 3 if isinstance(input_size, int)
+                           else tuple(input_size))
+        self.channels = channels
         self.mesh = [list(group) for group in mesh] if mesh else [default_devices(spatial_split)]
-        edge = input_size
-        for _ in filters:
-            if edge % 2:
-                raise spatial.SpatialSplitError(
-                    f"a {input_size}^3 volume cannot go through {len(filters)} pooling blocks: "
-                    f"an edge of {edge} does not halve")
-            edge //= 2
+        for edge in self.input_size:
+            for _ in filters:
+                if edge % 2:
+                    raise spatial.SpatialSplitError(
+                        f"a {'x'.join(map(str, self.input_size))} volume cannot go through "
+                        f"{len(filters)} pooling blocks: an edge of {edge} does not halve")
+                edge //= 2
         self.convs = [keras.layers.Conv3D(f, 3, padding="same", name=f"conv{i}")
                       for i, f in enumerate(filters)]
         self.dense_layers = [keras.layers.Dense(units, name=f"dense{i}")
                              for i, units in enumerate(dense)]
         self.head = keras.layers.Dense(outputs, name="output")
-        shape = (None, input_size, input_size, input_size, channels)
+        shape = (None, *self.input_size, channels)
         for conv in self.convs:
             conv.build(shape)
             shape = (None, *(s // 2 for s in shape[1:4]), conv.filters)

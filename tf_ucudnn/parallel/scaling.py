@@ -3,8 +3,8 @@ and per device, the convolution work, the halo bytes exchanged with the neighbou
 the gradient all-reduce, and from them a predicted step time, to set against measurements on the
 GPUs there are and to extrapolate to more.
 
-Per convolution (3^3 kernels, SAME, stride 1, on an edge^3 volume in slabs of depth):
-  work   = 2 * samples * edge^3 * 27 * C_in * C_out / spatial FLOPs per device (forward; the two
+Per convolution (3^3 kernels, SAME, stride 1, on a depth x edge^2 volume in slabs of depth):
+  work   = 2 * samples * depth * edge^2 * 27 * C_in * C_out / spatial FLOPs per device (forward; the two
            backward kernels twice that again),
   halo   = per inner slab face, one row of edge^2 * C_in values for the forward pass and one of
            edge^2 * C_out gradients for the backward pass, times the samples,
@@ -15,7 +15,7 @@ parameters' bytes through each device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +42,21 @@ class StepCost:
 
 def cosmoflow_step_cost(edge: int, channels: int, filters: Sequence[int], batch: int,
                         spatial: int, groups: int, link: Link, parameters: int,
-                        dtype_bytes: int = 4, overlap_halo: bool = True) -> StepCost:
-    """One training step of `batch` samples over `groups` data groups of `spatial` devices."""
+                        dtype_bytes: int = 4, overlap_halo: bool = True,
+                        depth: Optional[int] = None) -> StepCost:
+    """One training step of `batch` samples over `groups` data groups of `spatial` devices;
+    the volume is `depth` (the split dimension; `edge` if not given) x edge x edge."""
     samples = batch / groups
     flops = halo_values = 0.0
     size, c_in = edge, channels
+    depth = depth or edge
     for c_out in filters:
         # Forward, backward-data and backward-filter: three times the forward's work.
-        flops += 3 * 2 * samples * size ** 3 * 27 * c_in * c_out / spatial
+        flops += 3 * 2 * samples * depth * size ** 2 * 27 * c_in * c_out / spatial
         if spatial > 1:
             faces = 2 if spatial > 2 else 1  # an inner slab has two neighbours
             halo_values += faces * samples * size ** 2 * (c_in + c_out)
-        size //= 2  # the pooling after each block
+        size, depth = size // 2, depth // 2  # the pooling after each block
         c_in = c_out
     compute = flops / link.flops
     halo_bytes = int(halo_values * dtype_bytes)
