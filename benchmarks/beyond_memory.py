@@ -43,10 +43,17 @@ def _images_per_second(step, batch: int, shape, steps: int) -> float:
 
 
 def _try(run):
+    """run()'s result, or None and why it ran out of memory. TensorFlow reports some
+    out-of-memory failures as other errors (a convolution whose every algorithm failed to get
+    its workspace is a NotFoundError), so the message decides."""
     try:
         return run(), None
-    except tf.errors.ResourceExhaustedError as error:
-        return None, f"out of memory: {str(error).splitlines()[0][:200]}"
+    except tf.errors.OpError as error:
+        message = str(error)
+        if not isinstance(error, tf.errors.ResourceExhaustedError) and \
+                "RESOURCE_EXHAUSTED" not in message and "Out of memory" not in message:
+            raise
+        return None, f"out of memory: {message.splitlines()[0][:200]}"
 
 
 def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):

@@ -7,6 +7,9 @@ from tf_ucudnn.memory import BudgetError
 from tf_ucudnn.plan import KernelPlan, LayerPlan
 from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
+# Compared with the original at float32 precision, on the GPU too.
+pytestmark = pytest.mark.usefixtures("no_tf32")
+
 
 def _split(layer):
     batch = layer.batch_size

@@ -2,28 +2,38 @@
 
     fast_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB")
     big_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB", memory_budget="16GiB")
+    split_step, report = tf_ucudnn.rewrite(step, spatial_split=2, workspace_limit="64MiB")
 
 Convolutions are rewritten first (their plans bound each kernel's workspace); with a memory budget
 the rewritten training step then gets the swaps and recomputations that fit its tensors in the
-budget.
+budget. With a spatial split, each convolution layer is split over devices instead, each device's
+part planned.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_function
-from tf_ucudnn.graph.rewrite import Planner, RewriteReport, rewrite_convolutions
+from tf_ucudnn.graph.rewrite import (
+    Planner,
+    RewriteReport,
+    apply_graph_pass,
+    rewrite_convolutions,
+)
+from tf_ucudnn.graph.spatial_split import split_graph_def
 from tf_ucudnn.memory.performance_model import DeviceModel
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+from tf_ucudnn.parallel import spatial
 from tf_ucudnn.planner import DatabasePlanner, parse_bytes
 
 Size = Union[int, str, None]
 
 
 def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size = None,
-            workspace_budget: Size = None, memory_budget: Size = None, device_model=None,
-            step_ms: Optional[float] = None, inline_functions: bool = False,
+            workspace_budget: Size = None, memory_budget: Size = None,
+            spatial_split: Optional[int] = None, devices: Optional[Sequence[str]] = None,
+            device_model=None, step_ms: Optional[float] = None, inline_functions: bool = False,
             **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
@@ -36,6 +46,11 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     shared by all kernels (bytes, or sizes such as "64MiB"); `planner_options` go to
     `DatabasePlanner.open`. Without any of these the convolutions are left as they are.
 
+    `spatial_split` (a number of devices, or the `devices` themselves) splits every convolution
+    layer of the main graph along its first spatial dimension over that many GPUs (logical CPUs
+    where there are not enough GPUs), halos exchanged by TensorFlow's runtime; the plans, if any,
+    are then made for each device's part.
+
     `memory_budget` (a ConcreteFunction of a training step only) plans swaps and recomputations
     so that the step's tensors and variables fit, with `device_model` (a
     `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
@@ -44,28 +59,39 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     """
     plans_convolutions = planner is not None or workspace_limit is not None or \
         workspace_budget is not None
+    splits = spatial_split is not None or devices is not None
     if planner is not None and (workspace_limit is not None or workspace_budget is not None
                                 or planner_options):
         raise ValueError("workspace_limit, workspace_budget and planner options are for the "
                          "default planner; a given planner has its own")
-    if not plans_convolutions and memory_budget is None:
-        raise ValueError("nothing to plan: give a planner, a workspace_limit, a "
-                         "workspace_budget or a memory_budget")
+    if not plans_convolutions and not splits and memory_budget is None:
+        raise ValueError("nothing to plan: give a planner, a workspace_limit, a workspace_budget, "
+                         "a spatial_split or a memory_budget")
     if memory_budget is not None and not is_concrete_function(target):
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
                         f"(got {type(target).__name__})")
+    if memory_budget is not None and splits:
+        raise ValueError("memory_budget plans one device's step; it cannot be combined with "
+                         "spatial_split")
+    if splits:
+        devices = list(devices) if devices else spatial.default_devices(spatial_split)
+        if spatial_split is not None and len(devices) != spatial_split:
+            raise ValueError(f"spatial_split={spatial_split} but {len(devices)} devices given")
+
+    def convolution_pass(conv_planner):
+        if splits:
+            return apply_graph_pass(target, lambda graph_def, graph: split_graph_def(
+                graph_def, devices, conv_planner, graph), inline_functions=inline_functions)
+        return rewrite_convolutions(target, conv_planner, inline_functions=inline_functions)
 
     report = RewriteReport()
     rewritten = target
-    if plans_convolutions:
-        if planner is None:
-            with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
-                                      **planner_options) as default_planner:
-                rewritten, report = rewrite_convolutions(target, default_planner,
-                                                         inline_functions=inline_functions)
-        else:
-            rewritten, report = rewrite_convolutions(target, planner,
-                                                     inline_functions=inline_functions)
+    if planner is None and plans_convolutions:
+        with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
+                                  **planner_options) as default_planner:
+            rewritten, report = convolution_pass(default_planner)
+    elif planner is not None or splits:
+        rewritten, report = convolution_pass(planner)
     elif inline_functions and is_concrete_function(target):
         rewritten = inline_function_calls(target)
     if memory_budget is None:

@@ -1,5 +1,6 @@
 """The recomputation pass: activations made again for the backward pass give the same step."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -100,3 +101,29 @@ def test_a_chain_is_recomputed_from_the_kept_tensor_before_it():
     assert relu_clone.input[0] == bn_clone.name  # the clone reads the clone
     assert f"^{last_forward}" in bn_clone.input and f"^{last_forward}" not in relu_clone.input
     assert_same_step(step, recompute_function(step, [recompute]), rtol=1e-5, atol=1e-7)
+
+
+def test_recomputations_whose_chains_meet_clone_their_own_and_make_no_cycle():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+        r = tf.nn.relu(x - 0.5, name="r")
+        t1, t2 = tf.multiply(r, 2.0, name="t1"), tf.multiply(r, 3.0, name="t2")
+        tf.add(tf.sin(t1, name="e1"), t2, name="e2")
+    # t2 is needed last, so its chain waits for e1; t1's must not wait with it (e1 reads t1).
+    recomputes = [Recompute("t2:0", ("e2",), trigger="e1", chain=("r",)),
+                  Recompute("t1:0", ("e1",), chain=("r",))]
+    graph_def = insert_recomputes(graph.as_graph_def(), recomputes, graph)
+    nodes = {node.name: node for node in graph_def.node}
+    # e1 reads sin(t1 clone); e2 reads the t2 clone second: each clone reads its own relu clone.
+    relu_clones = {nodes[nodes[nodes["e1"].input[0]].name].input[0],
+                   nodes[nodes["e2"].input[1]].input[0]}
+    assert len(relu_clones) == 2 and all(name.startswith("r/ucudnn_recompute")
+                                         for name in relu_clones)
+    with tf.Graph().as_default():
+        e2, = tf.graph_util.import_graph_def(graph_def, return_elements=["e2:0"])
+        with tf.compat.v1.Session() as session:
+            values = np.array([-1.0, 0.25, 1.0, 2.0], np.float32)
+            got = session.run(e2, {"import/x:0": values})
+    r = np.maximum(values - 0.5, 0)
+    np.testing.assert_allclose(got, np.sin(2 * r) + 3 * r, rtol=1e-6)

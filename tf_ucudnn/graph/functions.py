@@ -5,6 +5,7 @@ inlined first, so that a pass sees one flat graph with known shapes.
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.framework import convert_to_constants
 
 
@@ -29,6 +30,11 @@ def callable_over(graph_def: graph_pb2.GraphDef, function):
     inputs = [t.name for t in function.inputs if t.name not in captures]
     outputs = [t.name for t in function.outputs]
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in function.inputs if t.name not in captures]
+    # Functions a pass added to the library (its own calls) must be known to the runtime, which
+    # does not learn them from the import.
+    for definition in graph_def.library.function:
+        if not context.context().has_function(definition.signature.name):
+            context.context().add_function_def(definition)
 
     @tf.function(input_signature=specs, autograph=False)
     def run(*args):

@@ -68,19 +68,25 @@ class LeftAlone:
 class RewriteReport:
     layers: list = dataclasses.field(default_factory=list)
     left_alone: list = dataclasses.field(default_factory=list)
+    spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
     memory: Optional[object] = None  # a tf_ucudnn.memory.planner.MemoryPlan, when one was made
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
                 "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
+                "spatial": [item.to_json() for item in self.spatial],
                 "memory": self.memory.to_json() if self.memory else None}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
-                 f"{len(self.left_alone)} convolution node(s) left alone"]
+                 + (f"{len(self.spatial)} split over devices, " if self.spatial else "")
+                 + f"{len(self.left_alone)} convolution node(s) left alone"]
         for item in self.layers:
             where = f" (in {item.scope})" if item.scope else ""
             lines.append(f"  {item.layer.name}{where}: {item.plan.dumps()}")
+        for item in self.spatial:
+            lines.append(f"  {item.layer}: split over {', '.join(item.devices)} "
+                         f"(slabs of {list(item.slab_rows)} rows)")
         for item in self.left_alone:
             where = f" (in {item.scope})" if item.scope else ""
             lines.append(f"  left alone {item.node}{where}: {item.reason}")
@@ -108,43 +114,62 @@ def _attrs_match(a: tf.Operation, b: tf.Operation) -> bool:
     return all(a.get_attr(name) == b.get_attr(name) for name in _SAME_ATTRS if name in names)
 
 
+def conv_ops(graph: tf.Graph, names=None) -> list:
+    """The graph's convolution ops that tf_ucudnn can replace (among `names`, if given)."""
+    return [op for op in graph.get_operations()
+            if op.type in REPLACEMENTS and (names is None or op.name in names)]
+
+
+def kernel_nodes(ops, forward: tf.Operation, claimed: set) -> dict:
+    """Kernel -> name of the nodes of `forward`'s layer among `ops`: itself and the backprop
+    nodes `tf.GradientTape` made from it (same input, same filter, same attributes) that no
+    other layer `claimed` yet; claims them."""
+    nodes = {FORWARD: forward.name}
+    for op in ops:
+        kernel = REPLACEMENTS[op.type][1]
+        if op.name in claimed or kernel == FORWARD or not _attrs_match(op, forward):
+            continue
+        if kernel == BACKPROP_INPUT and op.inputs[1].name == forward.inputs[1].name:
+            nodes.setdefault(BACKPROP_INPUT, op.name)
+        if kernel == BACKPROP_FILTER and op.inputs[0].name == forward.inputs[0].name:
+            nodes.setdefault(BACKPROP_FILTER, op.name)
+    claimed.update(nodes.values())
+    return nodes
+
+
+def leave_layer_alone(ops, forward: tf.Operation, claimed: set, scope: str,
+                      reason: str) -> list:
+    """The nodes of `forward`'s layer, claimed and reported as left alone for `reason`."""
+    return [LeftAlone(name, scope, reason if kernel == FORWARD else
+                      f"gradient of {forward.name}, left alone: {reason}")
+            for kernel, name in kernel_nodes(ops, forward, claimed).items()]
+
+
+def orphan_backprops(ops, claimed: set, scope: str) -> list:
+    """Backprop nodes no layer claimed, reported as left alone."""
+    return [LeftAlone(op.name, scope, "a backprop node with no forward convolution of the same "
+                      "input, filter and attributes in this graph, so no layer plan to give it")
+            for op in ops if op.name not in claimed and REPLACEMENTS[op.type][1] != FORWARD]
+
+
 def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
                    report: RewriteReport) -> None:
     """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place."""
     by_name = {node.name: node for node in node_defs}
-    ops = [op for op in graph.get_operations() if op.type in REPLACEMENTS and op.name in by_name]
+    ops = conv_ops(graph, by_name)
     forwards = [op for op in ops if REPLACEMENTS[op.type][1] == FORWARD]
     claimed = set()
-
-    def gradient_nodes(forward: tf.Operation) -> dict:
-        nodes = {FORWARD: forward.name}
-        for op in ops:
-            kernel = REPLACEMENTS[op.type][1]
-            if op.name in claimed or kernel == FORWARD or not _attrs_match(op, forward):
-                continue
-            if kernel == BACKPROP_INPUT and op.inputs[1].name == forward.inputs[1].name:
-                nodes.setdefault(BACKPROP_INPUT, op.name)
-            if kernel == BACKPROP_FILTER and op.inputs[0].name == forward.inputs[0].name:
-                nodes.setdefault(BACKPROP_FILTER, op.name)
-        claimed.update(nodes.values())
-        return nodes
-
-    def leave_alone(forward: tf.Operation, reason: str) -> None:
-        for kernel, name in gradient_nodes(forward).items():
-            report.left_alone.append(LeftAlone(name, scope, reason if kernel == FORWARD else
-                                               f"gradient of {forward.name}, left alone: {reason}"))
-
     for forward in forwards:
         try:
             layer = conv_layer_of(forward)
         except UnsupportedConvolution as error:
-            leave_alone(forward, str(error))
+            report.left_alone.extend(leave_layer_alone(ops, forward, claimed, scope, str(error)))
             continue
         plan = planner(layer)
         if isinstance(plan, str):
-            leave_alone(forward, plan)
+            report.left_alone.extend(leave_layer_alone(ops, forward, claimed, scope, plan))
             continue
-        nodes = gradient_nodes(forward)
+        nodes = kernel_nodes(ops, forward, claimed)
         gradient_plans = {f"backprop_input_{k}": v for k, v in plan.backprop_input.attrs().items()}
         gradient_plans.update({f"backprop_filter_{k}": v
                                for k, v in plan.backprop_filter.attrs().items()})
@@ -153,11 +178,7 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
             if kernel in nodes:
                 _replace(by_name[nodes[kernel]], plan.kernel(kernel))
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
-    for op in ops:
-        if op.name not in claimed and REPLACEMENTS[op.type][1] != FORWARD:
-            report.left_alone.append(LeftAlone(
-                op.name, scope, "a backprop node with no forward convolution of the same input, "
-                "filter and attributes in this graph, so no layer plan to give it"))
+    report.left_alone.extend(orphan_backprops(ops, claimed, scope))
 
 
 def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
@@ -202,14 +223,21 @@ def rewrite_convolutions(target, planner: Planner, *, inline_functions: bool = F
     a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
     calls) are inlined first, so that their convolutions get the caller's fully known shapes.
     """
+    return apply_graph_pass(target, lambda graph_def, graph: rewrite_graph_def(
+        graph_def, planner, graph), inline_functions=inline_functions)
+
+
+def apply_graph_pass(target, graph_pass, *, inline_functions: bool = False):
+    """Runs `graph_pass(graph_def, graph or None) -> (graph_def, report)` over a GraphDef, a
+    tf.Graph or a ConcreteFunction, returning what `rewrite_convolutions` does."""
     if isinstance(target, graph_pb2.GraphDef):
-        return rewrite_graph_def(target, planner)
+        return graph_pass(target, None)
     if isinstance(target, tf.Graph):
-        return rewrite_graph_def(target.as_graph_def(), planner, target)
+        return graph_pass(target.as_graph_def(), target)
     if is_concrete_function(target):
         if inline_functions:
             target = inline_function_calls(target).get_concrete_function()
-        graph_def, report = rewrite_graph_def(target.graph.as_graph_def(), planner, target.graph)
+        graph_def, report = graph_pass(target.graph.as_graph_def(), target.graph)
         return callable_over(graph_def, target), report
     raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
                     f"{type(target).__name__} (for a tf.function, pass "

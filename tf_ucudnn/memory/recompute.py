@@ -64,14 +64,15 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
-    clones: dict[str, str] = {}  # original op -> its clone, shared by chains that meet
+    taken = set(nodes)
     for recompute in recomputes:
         if recompute.trigger is not None and recompute.trigger not in nodes:
             raise RecomputeError(f"{recompute.tensor}: the trigger names no node "
                                  f"({recompute.trigger!r})")
+        # Each recomputation clones its own chain: a clone shared with another one would wait
+        # for that one's trigger, which may come after this one's readers, closing a cycle.
+        clones: dict[str, str] = {}  # original op -> its clone
         for name in (*recompute.chain, recompute.producer):
-            if name in clones:
-                continue
             original = nodes.get(name)
             if original is None:
                 raise RecomputeError(f"{recompute.tensor}: no node {name!r}")
@@ -80,7 +81,7 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
                 raise RecomputeError(f"{recompute.tensor}: {name}: {reason}")
             clone = result.node.add()
             clone.CopyFrom(original)
-            clone.name = f"{name}/ucudnn_recompute"
+            clone.name = _unique(f"{name}/ucudnn_recompute", taken)
             reads_a_clone = False
             for i, text in enumerate(clone.input):
                 source, _, index = text.lstrip("^").partition(":")
@@ -98,6 +99,15 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
         rewire(nodes, recompute, producer_clone if index == 0 else f"{producer_clone}:{index}",
                RecomputeError)
     return result
+
+
+def _unique(name: str, taken: set) -> str:
+    candidate, count = name, 1
+    while candidate in taken:
+        count += 1
+        candidate = f"{name}_{count}"
+    taken.add(candidate)
+    return candidate
 
 
 def recompute_function(function, recomputes: Sequence[Recompute]):

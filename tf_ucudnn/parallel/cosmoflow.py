@@ -22,18 +22,6 @@ from tensorflow.python.framework import device as tf_device
 from tf_ucudnn.parallel import spatial
 
 
-def default_devices(count: int) -> list[str]:
-    """`count` GPUs if there are that many, else logical CPUs."""
-    for kind in ("GPU", "CPU"):
-        devices = [d.name for d in tf.config.list_logical_devices(kind)]
-        if len(devices) >= count:
-            return devices[:count]
-    raise spatial.SpatialSplitError(
-        f"a spatial split over {count} devices needs {count} GPUs or logical CPUs; TensorFlow "
-        f"sees {len(tf.config.list_logical_devices('GPU'))} GPU(s) and "
-        f"{len(tf.config.list_logical_devices('CPU'))} CPU(s)")
-
-
 def _canonical(name: str) -> str:
     return tf_device.canonical_name(name).split("/device:")[-1].upper()
 
@@ -62,7 +50,7 @@ class SpatialCosmoFlow(keras.Model):
         self.input_size = ((input_size,) * 3 if isinstance(input_size, int)
                            else tuple(input_size))
         self.channels = channels
-        self.mesh = [list(group) for group in mesh] if mesh else [default_devices(spatial_split)]
+        self.mesh = [list(group) for group in mesh] if mesh else [spatial.default_devices(spatial_split)]
         for edge in self.input_size:
             for _ in filters:
                 if edge % 2:

@@ -60,6 +60,18 @@ class Slabs:
         return Slabs(parts, self.devices)
 
 
+def default_devices(count: int) -> list[str]:
+    """`count` GPUs if there are that many, else logical CPUs."""
+    for kind in ("GPU", "CPU"):
+        devices = [d.name for d in tf.config.list_logical_devices(kind)]
+        if len(devices) >= count:
+            return devices[:count]
+    raise SpatialSplitError(
+        f"a spatial split over {count} devices needs {count} GPUs or logical CPUs; TensorFlow "
+        f"sees {len(tf.config.list_logical_devices('GPU'))} GPU(s) and "
+        f"{len(tf.config.list_logical_devices('CPU'))} CPU(s)")
+
+
 def even_sizes(total: int, parts: int) -> list[int]:
     if not 1 <= parts <= total:
         raise SpatialSplitError(f"cannot split {total} rows over {parts} devices")
