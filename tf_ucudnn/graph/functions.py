@@ -48,3 +48,12 @@ def callable_over(graph_def: graph_pb2.GraphDef, function):
                                         expand_composites=True)
 
     return run
+
+
+def graph_of(graph_def, graph=None) -> tf.Graph:
+    """`graph` if given (the graph `graph_def` came from), else `graph_def` imported."""
+    if graph is None:
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    return graph

@@ -25,6 +25,7 @@ from tf_ucudnn.graph.conv_layers import (
 )
 from tf_ucudnn.graph.functions import (
     callable_over,
+    graph_of,
     inline_function_calls,
     is_concrete_function,
 )
@@ -191,10 +192,7 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
     rewritten = graph_pb2.GraphDef()
     rewritten.CopyFrom(graph_def)
     report = RewriteReport()
-    if graph is None:
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
+    graph = graph_of(graph_def, graph)
     scopes = [("", graph, rewritten.node)]
     for function in rewritten.library.function:
         try:

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
 from tf_ucudnn.graph.conv_layers import ConvLayer, UnsupportedConvolution, conv_layer_of
+from tf_ucudnn.graph.functions import graph_of
 from tf_ucudnn.graph.rewrite import (
     REPLACEMENTS,
     LeftAlone,
@@ -114,10 +115,7 @@ def split_graph_def(graph_def: graph_pb2.GraphDef, devices: Sequence[str],
     rewritten = graph_pb2.GraphDef()
     rewritten.CopyFrom(graph_def)
     report = RewriteReport()
-    if graph is None:
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
+    graph = graph_of(graph_def, graph)
     by_name = {node.name: node for node in rewritten.node}
     ops = conv_ops(graph, by_name)
     claimed = set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 
@@ -52,12 +51,3 @@ def rewire(nodes: dict, kept: KeptTensor, replacement: str, error: type) -> None
 def protect(node) -> None:
     """Marks a node for Grappler to keep as it is (not folded, pruned or merged)."""
     node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))
-
-
-def graph_of(graph_def, graph=None) -> tf.Graph:
-    """`graph` if given (the graph `graph_def` came from), else `graph_def` imported."""
-    if graph is None:
-        graph = tf.Graph()
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-    return graph

@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
-from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.graph_edits import KeptTensor, graph_of, protect, rewire
+from tf_ucudnn.graph.functions import callable_over, graph_of
+from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 _NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
 

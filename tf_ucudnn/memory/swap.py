@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
-from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.graph_edits import KeptTensor, graph_of, protect, rewire
+from tf_ucudnn.graph.functions import callable_over, graph_of
+from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 HOST = "/device:CPU:0"
 

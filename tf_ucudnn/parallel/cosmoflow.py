@@ -73,6 +73,11 @@ class SpatialCosmoFlow(keras.Model):
             width = layer.units
         self.head.build((None, width))
 
+    def compile(self, *args, jit_compile=False, **kwargs):
+        """As keras.Model.compile, with XLA off unless asked for: tf_ucudnn's ops have no XLA
+        kernels (Keras's "auto" turns XLA on for GPUs and would refuse the model)."""
+        super().compile(*args, jit_compile=jit_compile, **kwargs)
+
     def _devices(self) -> list[str]:
         """The spatial group of the current replica (the only group without a strategy)."""
         context = tf.distribute.get_replica_context()
