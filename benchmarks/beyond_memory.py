@@ -8,7 +8,8 @@ side in one process.
 The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperNeurons, AccUDNN
 and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, each
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
-trains.
+trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
+at its own largest batch, both recorded.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Optional
 
 import tensorflow as tf
 
@@ -53,7 +55,21 @@ def _try(run):
         if not isinstance(error, tf.errors.ResourceExhaustedError) and \
                 "RESOURCE_EXHAUSTED" not in message and "Out of memory" not in message:
             raise
-        return None, f"out of memory: {message.splitlines()[0][:200]}"
+        reason = [line.strip() for line in message.splitlines()
+                  if line.strip() and not line.startswith("  ") and "defined at" not in line]
+        return None, "out of memory: " + " ".join(reason[-3:])[:400]
+
+
+def _peak_bytes(step, batch: int, shape) -> Optional[int]:
+    """The most GPU memory TensorFlow had in use during one step (None without a GPU)."""
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    x = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
+    y = tf.zeros([batch], tf.int32)
+    step(x, y).numpy()
+    tf.config.experimental.reset_memory_stats("GPU:0")
+    step(x, y).numpy()
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"]
 
 
 def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
@@ -101,7 +117,8 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
     entry.update(swaps=len(memory.swaps), recomputes=len(memory.recomputes),
                  predicted=memory.decisions.prediction.to_json())
     rate, error = _try(lambda: _images_per_second(step, batch, shape, steps))
-    entry.update({"img_per_s": rate} if rate else {"error": error})
+    entry.update({"img_per_s": rate, "measured_peak_bytes": _peak_bytes(step, batch, shape)}
+                 if rate else {"error": error})
     return entry
 
 
@@ -122,7 +139,7 @@ def main():
     device = _cap_gpu_memory(args.memory_limit_gib)
 
     from tf_ucudnn import models
-    from tf_ucudnn.memory import DeviceModel
+    from tf_ucudnn.memory import DeviceModel, analyze, keras_training_step
 
     device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else DeviceModel.measure())
     results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
@@ -141,12 +158,26 @@ def main():
         batch, rate = _largest_plain_batch(model, shape, args.start_batch, args.max_batch,
                                            args.steps)
         entry = {"tensorflow": {"largest_batch": batch, "img_per_s": rate}, "tf_ucudnn": []}
+        # How far TensorFlow's real peak is above the liveness prediction (its allocator,
+        # workspaces and execution order), measured on its own largest batch: the budgets given
+        # to the planner shrink by that much.
+        scale = 1.0
+        if batch:
+            step = keras_training_step(model, batch)
+            measured = _peak_bytes(step, batch, shape)
+            liveness = analyze(step)
+            predicted = liveness.peak_bytes + liveness.persistent_bytes
+            entry["tensorflow"].update(measured_peak_bytes=measured,
+                                       predicted_peak_bytes=predicted)
+            if measured:
+                scale = min(1.0, predicted / measured)
+        entry["budget_scale"] = scale
         trials = [(factor, fraction) for factor in (4, 3, 2)
                   for fraction in args.budget_fractions] if batch else []
         for factor, fraction in trials:
             # Op times calibrated by TensorFlow's own step, scaled to the batch.
             step_ms = factor * batch / rate * 1e3
-            budget = int(args.memory_limit_gib * fraction * (1 << 30))
+            budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
             trial = _with_tf_ucudnn(model, shape, factor * batch, budget, device_model,
                                     args.steps, step_ms)
             trial.update(factor=factor, budget_fraction=fraction)

@@ -51,25 +51,32 @@ class DeviceModel:
             raise RuntimeError("no GPU to measure host-device bandwidth on; give a DeviceModel "
                                "with the bandwidths instead")
         count = size_bytes // 4
-        with tf.device(device):
-            on_device = tf.random.uniform([count])
-        with tf.device("/CPU:0"):
-            on_host = tf.identity(on_device)
+
+        # Copies inside a graph function, as the swap nodes make them; a fresh tensor each time,
+        # since eager tensors keep a mirror on a device they were copied to once.
+        def copy_to(target):
+            @tf.function(autograph=False)
+            def copy(x):
+                with tf.device(target):
+                    return tf.identity(x)[:1]
+            return copy
 
         def rate(source, target):
-            best = float("inf")
-            for _ in range(repeats):
+            copy, best = copy_to(target), float("inf")
+            for repeat in range(repeats + 1):
+                with tf.device(source):
+                    data = tf.random.stateless_uniform([count], seed=[repeat, 0])
+                data[:1].numpy()  # made before the clock starts
                 start = time.perf_counter()
-                with tf.device(target):
-                    copied = tf.identity(source)
-                copied.numpy() if target.startswith("/CPU") else tf.reduce_sum(copied).numpy()
-                best = min(best, time.perf_counter() - start)
+                copy(data).numpy()
+                if repeat:  # the first call traces
+                    best = min(best, time.perf_counter() - start)
             return size_bytes / best
 
         name = tf.config.experimental.get_device_details(
             tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
-        return cls(name, device_to_host=rate(on_device, "/CPU:0"),
-                   host_to_device=rate(on_host, device))
+        return cls(name, device_to_host=rate(device, "/CPU:0"),
+                   host_to_device=rate("/CPU:0", device))
 
 
 def tensor_bytes(tensor) -> Optional[int]:
