@@ -104,3 +104,28 @@ def test_each_devices_part_runs_its_plan():
     assert len(layers) == 4 and {layer.op_type for layer in layers} == {"Conv3D"}
     assert {layer.padding for layer in layers} == {"EXPLICIT"}
     assert sorted(layer.input_shape[1] for layer in layers) == [3, 3, 6, 6]
+
+
+def test_rows_too_many_for_one_call_are_convolved_in_chunks():
+    x, w = _random([2, 12, 5, 5, 2], 11), _random([3, 3, 3, 2, 3], 12)
+
+    def convolve(x, w, **options):
+        return gather(conv(split(x, DEVICES[:2]), w, 1, "SAME", **options))
+
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, w])
+        # A row is 2 x 5 x 5 x 3 = 150 output values: 320 allow 2 rows a call.
+        chunked = convolve(x, w, max_call_elements=320)
+        whole = convolve(x, w)
+    np.testing.assert_allclose(chunked.numpy(), whole.numpy(), rtol=1e-10, atol=1e-10)
+    for got, expected in zip(tape.gradient(chunked, [x, w]), tape.gradient(whole, [x, w])):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-9, atol=1e-9)
+
+    @tf.function
+    def calls(x, w):
+        return convolve(x, w, max_call_elements=320)
+
+    graph = calls.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                        tf.TensorSpec(w.shape, w.dtype)).graph
+    # 6 output rows per device, at most 2 per call: 3 calls each (the halo rows are their own).
+    assert len([op for op in graph.get_operations() if op.type == "UcudnnConv3D"]) >= 6

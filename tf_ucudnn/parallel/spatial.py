@@ -18,6 +18,7 @@ or depth).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -146,13 +147,22 @@ def _zeros_like_rows(template, rows: int):
     return tf.zeros(tf.stack(shape), template.dtype)
 
 
+# Values per cuDNN call at most (input or output): cuDNN's tensor descriptors take fewer than
+# 2^31, and its 3-D backward-filter algorithms find no workspace for much more than this.
+MAX_CALL_ELEMENTS = 1 << 28
+
+
 def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
          out_sizes: Optional[Sequence[int]] = None, name: str = "spatial_conv",
-         planner: Optional[Callable] = None) -> Slabs:
+         planner: Optional[Callable] = None,
+         max_call_elements: int = MAX_CALL_ELEMENTS) -> Slabs:
     """Conv2D/Conv3D (by the filter's rank) of the volume in slabs; equal to the unpartitioned
     layer. `out_sizes` sets the output rows per device (default: as even as possible).
     `planner` (a ConvLayer -> LayerPlan or reason callable, as `tf_ucudnn.rewrite` takes) plans
-    each device's part, micro-batches and all; a reason leaves that part to cuDNN's choice."""
+    each device's part, micro-batches and all; a reason leaves that part to cuDNN's choice.
+    A device's rows are convolved in chunks of at most `max_call_elements` input and output
+    values each (ooc_cuDNN's division of the feature map), so that one sample too large for a
+    single cuDNN call still runs."""
     spatial = len(filters.shape) - 2
     strides = [strides] * spatial if isinstance(strides, int) else list(strides)
     dilations = [dilations] * spatial if isinstance(dilations, int) else list(dilations)
@@ -191,6 +201,10 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
                         **attrs)
 
     reach = (kernel - 1) * dilation + 1
+    # Per row of the split dimension; a batch unknown until run time counts as one sample.
+    row_shape = [d or 1 for i, d in enumerate(slabs.parts[0].shape.as_list()) if i != SPLIT_AXIS]
+    in_row_values = math.prod(row_shape)
+    out_row_values = in_row_values // row_shape[-1] * int(filters.shape[-1])
     starts, parts, out_start = slabs.starts, [], 0
     for index, (device, count) in enumerate(zip(slabs.devices, out_sizes)):
         first, last = out_start, out_start + count  # output rows [first, last)
@@ -205,12 +219,14 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
             if inner_first >= inner_last:
                 inner_first = inner_last = first
             pieces = []
+            row_values = max(out_row_values, stride * in_row_values)
+            chunk = max(1, max_call_elements // row_values)
             for a, b in ((first, inner_first), (inner_first, inner_last), (inner_last, last)):
-                if a >= b:
-                    continue
-                rows = _window_rows(slabs, index, a * stride - before,
-                                    (b - 1) * stride - before + reach, name)
-                pieces.append(run(rows))
+                for low in range(a, b, chunk):
+                    high = min(b, low + chunk)
+                    rows = _window_rows(slabs, index, low * stride - before,
+                                        (high - 1) * stride - before + reach, name)
+                    pieces.append(run(rows))
             parts.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS))
     return Slabs(parts, slabs.devices)
 
