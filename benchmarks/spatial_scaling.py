@@ -1,11 +1,11 @@
 """Hybrid data x spatial parallelism of a CosmoFlow-style model over the GPUs of one host, side by
 side in one run: strong scaling (a fixed sample split over more GPUs), weak scaling (the volume
-growing with the GPU count along the split depth), data x spatial mixes at the largest GPU count, and a sample too large
-for one GPU trained on several; each set against the scaling model's prediction, calibrated by the
-measured one-GPU speed and device-to-device bandwidth.
+growing with the GPU count along the split depth), data x spatial mixes at the largest GPU count,
+and samples too large for one GPU trained on several; each set against the scaling model's
+prediction, calibrated by the measured one-GPU speed and device-to-device bandwidth.
 
-    python benchmarks/spatial_scaling.py --edge 128 --batch 4 --devices 1 2 \\
-        --large-edge 512 --memory-limit-gib 32 --out benchmarks/results/spatial_scaling_h200x2.json
+    python benchmarks/spatial_scaling.py --edge 128 --batch 4 --devices 1 2 --large-edge 512 768 \\
+        --steps 5 --out benchmarks/results/spatial_scaling_h200x2.json
 
 `--memory-limit-gib` caps each GPU (a logical device with `memory_limit`), to show a sample that
 needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical CPUs with a tiny

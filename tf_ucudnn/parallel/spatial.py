@@ -205,6 +205,7 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     row_shape = [d or 1 for i, d in enumerate(slabs.parts[0].shape.as_list()) if i != SPLIT_AXIS]
     in_row_values = math.prod(row_shape)
     out_row_values = in_row_values // row_shape[-1] * int(filters.shape[-1])
+    chunk = max(1, max_call_elements // max(out_row_values, stride * in_row_values))
     starts, parts, out_start = slabs.starts, [], 0
     for index, (device, count) in enumerate(zip(slabs.devices, out_sizes)):
         first, last = out_start, out_start + count  # output rows [first, last)
@@ -219,8 +220,6 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
             if inner_first >= inner_last:
                 inner_first = inner_last = first
             pieces = []
-            row_values = max(out_row_values, stride * in_row_values)
-            chunk = max(1, max_call_elements // row_values)
             for a, b in ((first, inner_first), (inner_first, inner_last), (inner_last, last)):
                 for low in range(a, b, chunk):
                     high = min(b, low + chunk)
