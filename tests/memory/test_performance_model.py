@@ -128,6 +128,26 @@ def test_plan_memory_recomputes_where_a_swap_cannot_hide():
     assert swapped.prediction.step_ms == pytest.approx(4.2)
 
 
+def test_a_tensor_a_recomputation_reads_is_not_freed_as_well():
+    # op1 makes B from A; op3 makes D (100 B) while A and B wait for the backward ops 6 and 5.
+    # Freeing 105 bytes at op3 takes both A and B; swaps over this link cost 100 ms each.
+    slow = DeviceModel("slow", device_to_host=1e3, host_to_device=1e3)
+    op_ms = [1.0] * 7
+    tensors = [TensorUse("A", 100, 0, (1, 6), (6,)), TensorUse("B", 100, 1, (2, 5), (5,)),
+               TensorUse("C", 10, 2, (3,)), TensorUse("D", 100, 3, (4,)),
+               TensorUse("E", 1, 4, (5,))]
+    cheap = {"A": 0.1, "B": 0.1}
+    both = plan_memory(op_ms, tensors, slow, budget_bytes=205, recompute_ms=cheap)
+    assert {r.tensor for r in both.recomputes} == {"A", "B"}
+    # But B's recomputation reads A: A stays until then, and the budget cannot be met.
+    with pytest.raises(BudgetError):
+        plan_memory(op_ms, tensors, slow, budget_bytes=205, recompute_ms=cheap,
+                    recompute_reads={"B": {"A"}})
+    one = plan_memory(op_ms, tensors, slow, budget_bytes=210, recompute_ms=cheap,
+                      recompute_reads={"B": {"A"}})
+    assert len(one.recomputes) == 1 and one.prediction.peak_bytes <= 210
+
+
 def test_roofline_estimates_of_op_times():
     model = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e9, peak_flops=1e12, launch_ms=0.0)
 

@@ -296,6 +296,7 @@ class MemoryDecisions:
 def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
+                recompute_reads: Optional[Mapping[str, Collection[str]]] = None,
                 candidates: Optional[Collection[str]] = None,
                 prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
                 candidates_per_round: int = 8) -> MemoryDecisions:
@@ -305,21 +306,26 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
     the latest prefetch of all; recomputing where `recompute_ms` gives its cost; bringing an
     already swapped tensor back later), the one that costs the least predicted step time per
-    byte it frees. Raises BudgetError, saying by how much the
+    byte it frees. A recomputation reads the original tensors named in `recompute_reads`, which
+    therefore stay on the device: once it is chosen they are neither swapped nor recomputed, and
+    it is not chosen when one of them already is. Raises BudgetError, saying by how much the
     budget is missed, when no kept tensor alive at the peak is left to choose. `candidates`
     limits the choice to these tensors (default: every kept tensor of nonzero size);
     `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use (or
     before the tensor's last forward use, if there is none).
     """
     recompute_ms = recompute_ms or {}
+    recompute_reads = recompute_reads or {}
     swaps: list[SwapDecision] = []
     recomputes: list[RecomputeDecision] = []
     prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes)
     while prediction.peak_bytes > budget_bytes:
         decided = {d.tensor for d in swaps} | {d.tensor for d in recomputes}
+        read_by_recomputes = {name for d in recomputes
+                              for name in recompute_reads.get(d.tensor, ())}
         alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
                         and (candidates is None or t.name in candidates)
-                        and t.name not in decided
+                        and t.name not in decided and t.name not in read_by_recomputes
                         and t.producer <= prediction.peak_op <= t.consumers[-1]),
                        key=lambda t: -t.bytes)[:candidates_per_round]
         # A swapped tensor already back at the peak may come back later instead.
@@ -348,7 +354,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                     if prefetch < tensor.last_forward_use:
                         continue  # no op the graph can use between its forward and backward uses
                 options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputes))
-            if tensor.name in recompute_ms:
+            if tensor.name in recompute_ms and \
+                    not decided.intersection(recompute_reads.get(tensor.name, ())):
                 options.append((swaps, [*recomputes,
                                         RecomputeDecision(tensor.name, recompute_ms[tensor.name])]))
         outcomes = [(predict(op_ms, tensors, model, s, persistent_bytes, r), s, r)

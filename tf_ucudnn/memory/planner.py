@@ -10,7 +10,7 @@ BudgetError, saying by how much, before anything runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -68,8 +68,14 @@ def _op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping
 MAX_CHAIN = 8  # ops recomputed for one tensor at most (a batch norm and its activation fit)
 
 
+class RecomputeChain(NamedTuple):
+    cost_ms: float
+    ops: tuple[str, ...]  # before the producer, in execution order
+    reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
+
+
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
-                      op_ms) -> dict[str, tuple[float, tuple[str, ...]]]:
+                      op_ms) -> dict[str, RecomputeChain]:
     """For each kept tensor that can be made again: its cost and the ops before its producer to
     run again too (a chain back to tensors held until then anyway, or variables), read directly
     (not through an alias) by its backward readers."""
@@ -88,7 +94,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             return (buffer is None or buffer.bytes == 0  # variables, constants, resources
                     or max(buffer.consumers, default=buffer.producer) >= first_backward)
 
-        chain, frontier, ok = [], [operations[tensor.producer]], True
+        chain, reads, frontier, ok = [], set(), [operations[tensor.producer]], True
         while frontier and ok:
             op = frontier.pop()
             if op.name in chain:
@@ -98,10 +104,12 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
                 break
             chain.append(op.name)
             frontier += [read.op for read in op.inputs if not held(read)]
+            reads.update(_buffer(read) for read in op.inputs if held(read))
         if ok:
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
-            chains[tensor.name] = (cost, tuple(ordered[:-1]))
+            chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]),
+                                                 frozenset(reads & set(by_name)))
     return chains
 
 
@@ -141,7 +149,8 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
 
     decisions = plan_memory(op_ms, report.tensors, model, budget_bytes,
                             persistent_bytes=report.persistent_bytes,
-                            recompute_ms={name: cost for name, (cost, _) in chains.items()},
+                            recompute_ms={name: chain.cost_ms for name, chain in chains.items()},
+                            recompute_reads={name: chain.reads for name, chain in chains.items()},
                             candidates={t.name for t in report.kept()},
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
@@ -163,7 +172,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
     recomputes = [Recompute(read, tuple(dict.fromkeys(names)),
                             operations[anchored(by_name[decision.tensor].backward_consumers[0] - 1,
                                                 by_name[decision.tensor].backward_consumers)].name,
-                            chains[decision.tensor][1])
+                            chains[decision.tensor].ops)
                   for decision in decisions.recomputes
                   for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
