@@ -7,6 +7,15 @@ and the planning time itself.
 
 `--step-ms` is the measured step time without swaps, which calibrates the op time estimates;
 `--link-gb-s` the host-device bandwidth each way.
+
+`--measure` also runs each planned step on the CPU and records the peak TensorFlow's allocator
+reached, to set against the prediction; it needs the CPU's BFC allocator, which keeps that count:
+
+    TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/memory_plan_prediction.py --model resnet50 \\
+        --batch 16 --step-ms 1000 --link-gb-s 0.000001 --fractions 0.8 0.6 --measure \\
+        --out benchmarks/results/memory_plan_measured_cpu_resnet50.json
+
+(A link that slow leaves recomputation alone: on the CPU a swap moves nothing.)
 """
 
 from __future__ import annotations
@@ -15,9 +24,22 @@ import argparse
 import json
 import time
 
+import tensorflow as tf
+
 from tf_ucudnn import models
 from tf_ucudnn.memory import BudgetError, DeviceModel, analyze, keras_training_step
-from tf_ucudnn.memory.planner import plan_step_memory
+from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+
+
+def _measured_peak(step, model, batch: int) -> int:
+    """The most memory the CPU allocator had in use during one step (after one to warm up)."""
+    x = tf.random.stateless_uniform([batch, *model.input_shape[1:]], seed=[1, 2])
+    y = tf.zeros([batch], tf.int32)
+    for warm_up in (True, False):
+        if not warm_up:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        tf.nest.map_structure(lambda t: t.numpy(), step(x, y))
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"]
 
 
 def main():
@@ -27,15 +49,23 @@ def main():
     parser.add_argument("--step-ms", type=float, default=250.0)
     parser.add_argument("--link-gb-s", type=float, default=25.0)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6, 0.4, 0.3])
+    parser.add_argument("--measure", action="store_true",
+                        help="run each planned step on the CPU and record its measured peak")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    step = keras_training_step(models.load_model(args.model), args.batch)
+    model = models.load_model(args.model)
+    step = keras_training_step(model, args.batch)
     liveness = analyze(step)
     peak = liveness.peak_bytes + liveness.persistent_bytes
     link = DeviceModel("assumed", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     results = {"benchmark": "memory_plan_prediction", "model": args.model, "batch": args.batch,
                "step_ms": args.step_ms, "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
                "unplanned_peak_bytes": peak, "budgets": []}
+    if args.measure:
+        try:
+            results["measured_unplanned_peak_bytes"] = _measured_peak(step, model, args.batch)
+        except ValueError as error:
+            raise SystemExit(f"--measure needs TF_CPU_ALLOCATOR_USE_BFC=true ({error})")
     for fraction in args.fractions:
         start = time.perf_counter()
         row = {"fraction": fraction, "budget_bytes": int(peak * fraction)}
@@ -43,6 +73,9 @@ def main():
             plan = plan_step_memory(step, row["budget_bytes"], link, step_ms=args.step_ms)
             row.update(plan.decisions.prediction.to_json(), swaps=len(plan.swaps),
                        recomputes=len(plan.recomputes))
+            if args.measure:
+                row["measured_peak_bytes"] = _measured_peak(apply_memory_plan(step, plan), model,
+                                                            args.batch)
         except BudgetError as error:
             row.update(error=str(error), shortfall_bytes=error.shortfall_bytes)
         row["planning_s"] = time.perf_counter() - start
