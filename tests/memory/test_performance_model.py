@@ -148,6 +148,20 @@ def test_a_tensor_a_recomputation_reads_is_not_freed_as_well():
     assert len(one.recomputes) == 1 and one.prediction.peak_bytes <= 210
 
 
+def test_a_swap_whose_copy_out_lags_behind_is_recomputed_instead():
+    # A (100 B) is read by op1 (0.2 ms) and back by op6; X (150 B) lives over op2..op3 and
+    # Y (200 B) over op4..op5. Swapped, A is still being copied out (t=1..2) when X arrives.
+    op_ms = [1.0, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0]
+    tensors = [TensorUse("A", 100, 0, (1, 6), (6,)), TensorUse("X", 150, 2, (3,)),
+               TensorUse("Y", 200, 4, (5,))]
+    # First the swap with the late swap-in (1 ms for 50 bytes at op4) beats recomputing (3 ms
+    # for 100); then the peak is A in transit plus X, which only recomputing A lowers.
+    decisions = plan_memory(op_ms, tensors, LINK, budget_bytes=240, recompute_ms={"A": 3.0})
+    assert not decisions.swaps and [r.tensor for r in decisions.recomputes] == ["A"]
+    assert decisions.prediction.peak_bytes == 200
+    assert predict(op_ms, tensors, LINK, [SwapDecision("A", 5)]).peak_bytes == 250
+
+
 def test_roofline_estimates_of_op_times():
     model = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e9, peak_flops=1e12, launch_ms=0.0)
 

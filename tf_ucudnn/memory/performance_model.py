@@ -46,37 +46,44 @@ class DeviceModel:
     @classmethod
     def measure(cls, device: str = "/GPU:0", size_bytes: int = 256 << 20,
                 repeats: int = 5) -> "DeviceModel":
-        """Times copies of a `size_bytes` tensor between the host and `device`."""
+        """Times copies of a `size_bytes` tensor between the host and `device` the way the swap
+        nodes make them: out to the host, and back from what came out. TensorFlow receives a
+        device's tensor on the host in pinned memory, so the swap-in copies from pinned memory;
+        a tensor made on the host is pageable, and copies from it run several times slower."""
         if not tf.config.list_logical_devices("GPU"):
             raise RuntimeError("no GPU to measure host-device bandwidth on; give a DeviceModel "
                                "with the bandwidths instead")
         count = size_bytes // 4
 
-        # Copies inside a graph function, as the swap nodes make them; a fresh tensor each time,
-        # since eager tensors keep a mirror on a device they were copied to once.
-        def copy_to(target):
+        def copies(*hops):
             @tf.function(autograph=False)
-            def copy(x):
-                with tf.device(target):
-                    return tf.identity(x)[:1]
-            return copy
+            def run(x):
+                for hop in hops:
+                    with tf.device(hop):
+                        x = tf.identity(x)
+                return x[:1]
+            return run
 
-        def rate(source, target):
-            copy, best = copy_to(target), float("inf")
+        def best_seconds(run):
+            # A fresh tensor each time: eager tensors keep a mirror on a device they were copied
+            # to once.
+            best = float("inf")
             for repeat in range(repeats + 1):
-                with tf.device(source):
+                with tf.device(device):
                     data = tf.random.stateless_uniform([count], seed=[repeat, 0])
                 data[:1].numpy()  # made before the clock starts
                 start = time.perf_counter()
-                copy(data).numpy()
+                run(data).numpy()
                 if repeat:  # the first call traces
                     best = min(best, time.perf_counter() - start)
-            return size_bytes / best
+            return best
 
+        out = best_seconds(copies("/CPU:0"))
+        round_trip = best_seconds(copies("/CPU:0", device))
         name = tf.config.experimental.get_device_details(
             tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
-        return cls(name, device_to_host=rate(device, "/CPU:0"),
-                   host_to_device=rate("/CPU:0", device))
+        return cls(name, device_to_host=size_bytes / out,
+                   host_to_device=size_bytes / max(round_trip - out, 1e-9))
 
 
 def tensor_bytes(tensor) -> Optional[int]:
@@ -305,19 +312,59 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     Each round looks at the largest kept tensors alive at the predicted peak and takes, of the
     choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
     the latest prefetch of all; recomputing where `recompute_ms` gives its cost; bringing an
-    already swapped tensor back later), the one that costs the least predicted step time per
-    byte it frees. A recomputation reads the original tensors named in `recompute_reads`, which
-    therefore stay on the device: once it is chosen they are neither swapped nor recomputed, and
-    it is not chosen when one of them already is. Raises BudgetError, saying by how much the
-    budget is missed, when no kept tensor alive at the peak is left to choose. `candidates`
-    limits the choice to these tensors (default: every kept tensor of nonzero size);
-    `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use (or
-    before the tensor's last forward use, if there is none).
+    already swapped tensor back later, or recomputing one whose copy out has not ended by the
+    peak), the one that costs the least predicted step time per byte it frees. A recomputation
+    reads the original tensors named in `recompute_reads`, which therefore stay on the device:
+    once it is chosen they are neither swapped nor recomputed, and it is not chosen when one of
+    them already is. The greedy choice starts twice, from no decisions and from SuperNeurons'
+    (every tensor recomputed that is cheaper to make again than to copy back in); the plan that
+    fits with the shorter predicted step wins. Raises BudgetError, saying by how much the budget
+    is missed (the smaller shortfall of the two), when no kept tensor alive at the peak is left
+    to choose. `candidates` limits the choice to these tensors (default: every kept tensor of
+    nonzero size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph
+    can use (or before the tensor's last forward use, if there is none).
     """
     recompute_ms = recompute_ms or {}
     recompute_reads = recompute_reads or {}
+    starts = [[]]
+    cheap = _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates)
+    if cheap:
+        starts.append(cheap)
+    plans, errors = [], []
+    for recomputes in starts:
+        try:
+            plans.append(_greedy(op_ms, tensors, model, budget_bytes, persistent_bytes,
+                                 recompute_ms, recompute_reads, candidates, prefetch_point,
+                                 candidates_per_round, recomputes))
+        except BudgetError as error:
+            errors.append(error)
+    if plans:
+        return min(plans, key=lambda plan: plan.prediction.step_ms)
+    raise min(errors, key=lambda error: error.shortfall_bytes)
+
+
+def _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates):
+    """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
+    it back in (a batch normalization or activation from a kept convolution output), largest
+    first, unless what it reads is itself recomputed."""
+    chosen, pinned = [], set()
+    for tensor in sorted(tensors, key=lambda t: -t.bytes):
+        cost = recompute_ms.get(tensor.name)
+        reads = set(recompute_reads.get(tensor.name, ()))
+        if cost is None or not tensor.bytes or tensor.name in pinned or \
+                (candidates is not None and tensor.name not in candidates) or \
+                cost >= tensor.bytes / model.host_to_device * 1e3 or \
+                reads & {d.tensor for d in chosen}:
+            continue
+        chosen.append(RecomputeDecision(tensor.name, cost))
+        pinned |= reads
+    return chosen
+
+
+def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms, recompute_reads,
+            candidates, prefetch_point, candidates_per_round,
+            recomputes: list[RecomputeDecision]) -> MemoryDecisions:
     swaps: list[SwapDecision] = []
-    recomputes: list[RecomputeDecision] = []
     prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes)
     while prediction.peak_bytes > budget_bytes:
         decided = {d.tensor for d in swaps} | {d.tensor for d in recomputes}
@@ -333,8 +380,6 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
         deferrable = [(i, d) for i, d in enumerate(swaps)
                       if d.prefetch_after < prediction.peak_op
                       < by_name[d.tensor].backward_consumers[0]]
-        if not alive and not deferrable:
-            raise BudgetError(budget_bytes, prediction)
         options = []
         for i, decision in deferrable:
             tensor = by_name[decision.tensor]
@@ -344,6 +389,16 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
             if later > decision.prefetch_after:
                 options.append(([*swaps[:i], *swaps[i + 1:], SwapDecision(tensor.name, later)],
                                 recomputes))
+        # A swapped tensor still on the device at the peak, its copy out not done (the forward
+        # pass makes tensors faster than the link drains them), may be recomputed instead.
+        for i, decision in enumerate(swaps):
+            tensor = by_name[decision.tensor]
+            if tensor.producer <= prediction.peak_op < tensor.backward_consumers[0] and \
+                    decision.tensor in recompute_ms and \
+                    not decided.intersection(recompute_reads.get(decision.tensor, ())):
+                options.append(([*swaps[:i], *swaps[i + 1:]],
+                                [*recomputes, RecomputeDecision(decision.tensor,
+                                                                recompute_ms[decision.tensor])]))
         if not alive and not options:
             raise BudgetError(budget_bytes, prediction)
         for tensor in alive:
