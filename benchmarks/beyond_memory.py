@@ -9,7 +9,9 @@ The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperN
 and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, each
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
-at its own largest batch, both recorded.
+at its own largest batch, both recorded. With `--fuse-batch-norm`, tf_ucudnn's steps train batch
+normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`), and plain TensorFlow with them at
+its own largest batch is recorded too, to tell the fusion's share of the speed from the plan's.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -100,15 +102,16 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
 
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
-                    step_ms: float) -> dict:
+                    step_ms: float, fuse_batch_norm: bool) -> dict:
     import tf_ucudnn
     from tf_ucudnn.memory import BudgetError, keras_training_step
 
     entry = {"batch": batch}
     try:
         start = time.perf_counter()
-        step, report = tf_ucudnn.rewrite(keras_training_step(model, batch), memory_budget=budget,
-                                         device_model=device_model, step_ms=step_ms)
+        step, report = tf_ucudnn.rewrite(
+            keras_training_step(model, batch, fuse_batch_norm=fuse_batch_norm),
+            memory_budget=budget, device_model=device_model, step_ms=step_ms)
         entry["planning_s"] = time.perf_counter() - start
     except BudgetError as error:
         entry["error"] = str(error)
@@ -130,6 +133,10 @@ def main():
                         help="tf_ucudnn's memory budgets, as fractions of the cap, tried in turn "
                         "while the step runs out of memory (TensorFlow's allocator and "
                         "executor order need room the plan does not see)")
+    parser.add_argument("--factors", type=float, nargs="+", default=[4, 3, 2.5, 2, 1.5],
+                        help="tf_ucudnn's batches, as multiples of TensorFlow's largest, tried in "
+                        "turn until one trains")
+    parser.add_argument("--fuse-batch-norm", action="store_true")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -145,6 +152,7 @@ def main():
     results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
                "memory_limit_gib": args.memory_limit_gib,
                "budget_fractions": args.budget_fractions,
+               "fuse_batch_norm": args.fuse_batch_norm,
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},
                "models": {}}
@@ -171,15 +179,21 @@ def main():
                                        predicted_peak_bytes=predicted)
             if measured:
                 scale = min(1.0, predicted / measured)
+            if args.fuse_batch_norm:
+                entry["tensorflow_fused_batch_norm"] = {"batch": batch, "img_per_s": _try(
+                    lambda: _images_per_second(keras_training_step(model, batch,
+                                                                   fuse_batch_norm=True),
+                                               batch, shape, args.steps))[0]}
         entry["budget_scale"] = scale
-        trials = [(factor, fraction) for factor in (4, 3, 2)
+        trials = [(factor, fraction) for factor in args.factors
                   for fraction in args.budget_fractions] if batch else []
         for factor, fraction in trials:
+            big_batch = int(factor * batch) // args.start_batch * args.start_batch
             # Op times calibrated by TensorFlow's own step, scaled to the batch.
-            step_ms = factor * batch / rate * 1e3
+            step_ms = big_batch / rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
-            trial = _with_tf_ucudnn(model, shape, factor * batch, budget, device_model,
-                                    args.steps, step_ms)
+            trial = _with_tf_ucudnn(model, shape, big_batch, budget, device_model,
+                                    args.steps, step_ms, args.fuse_batch_norm)
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate

@@ -8,10 +8,12 @@ budget is reported with the shortfall, not dropped silently.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Iterable, Optional
 
 import tensorflow as tf
 
+from tf_ucudnn.batch_norm_fusion import fused_batch_norm
 from tf_ucudnn.memory.performance_model import BudgetError, DeviceModel
 from tf_ucudnn.memory.planner import MemoryPlan, plan_step_memory
 
@@ -52,8 +54,11 @@ class TuningReport:
         return "\n".join(lines)
 
 
-def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None):
-    """A model's training step (loss, gradients, optimizer update) for one batch size, traced."""
+def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
+                        fuse_batch_norm: bool = False):
+    """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
+    with `fuse_batch_norm`, its batch normalization layers traced as fused kernels (a warning
+    names each layer left unfused, and why)."""
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
@@ -66,8 +71,14 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
         optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
         return value
 
-    return step.get_concrete_function(tf.TensorSpec([batch_size, *model.input_shape[1:]]),
-                                      tf.TensorSpec([batch_size], tf.int32))
+    specs = (tf.TensorSpec([batch_size, *model.input_shape[1:]]),
+             tf.TensorSpec([batch_size], tf.int32))
+    if not fuse_batch_norm:
+        return step.get_concrete_function(*specs)
+    with fused_batch_norm(model) as left_alone:
+        for unfused in left_alone:
+            warnings.warn(f"{unfused.layer}: batch normalization left unfused: {unfused.reason}")
+        return step.get_concrete_function(*specs)
 
 
 def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int],

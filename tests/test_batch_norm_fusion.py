@@ -1,0 +1,86 @@
+"""Fused batch normalization against Keras's own: same outputs, gradients and moving statistics,
+a smaller backward working set, and the layers it leaves alone named with the reason."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ucudnn.batch_norm_fusion import fused_batch_norm, unfusable_because
+from tf_ucudnn.memory import analyze
+from tf_ucudnn.memory.tuner import keras_training_step
+
+keras = tf.keras
+
+
+def _model(shape=(6, 6, 3), conv=keras.layers.Conv2D, **batch_norm):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input(shape), conv(4, 3, padding="same"),
+        keras.layers.BatchNormalization(**batch_norm), keras.layers.ReLU(),
+        keras.layers.Flatten(), keras.layers.Dense(2)])
+
+
+def _train_step(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+    gradients = tape.gradient(loss, model.trainable_variables)
+    return loss, gradients
+
+
+@pytest.mark.parametrize("shape,conv", [((6, 6, 3), keras.layers.Conv2D),
+                                        ((4, 4, 4, 2), keras.layers.Conv3D)])
+@pytest.mark.parametrize("options", [{}, {"center": False, "scale": False, "momentum": 0.5}])
+def test_fused_training_matches_keras(shape, conv, options):
+    x = tf.random.stateless_normal([5, *shape], seed=[1, 2])
+    y = tf.random.stateless_normal([5, 2], seed=[3, 4])
+    reference, fused = _model(shape, conv, **options), _model(shape, conv, **options)
+    expected_loss, expected_gradients = tf.function(_train_step)(reference, x, y)
+    with fused_batch_norm(fused) as left_alone:
+        step = tf.function(_train_step)
+        loss, gradients = step(fused, x, y)
+        ops = {op.type for op in step.get_concrete_function(fused, x, y).graph.get_operations()}
+    assert left_alone == []
+    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= ops
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for got, want in zip(gradients, expected_gradients):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    normalization = [layer for layer in (reference, fused)
+                     for layer in layer.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    for want, got in zip(normalization[0].non_trainable_weights,
+                         normalization[1].non_trainable_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The step did update them (from zeros and ones).
+    assert not np.allclose(normalization[1].moving_mean, 0.0)
+    assert not np.allclose(normalization[1].moving_variance, 1.0)
+
+
+def test_inference_and_restoring_leave_keras_behaviour():
+    model = _model()
+    x = tf.random.stateless_normal([3, 6, 6, 3], seed=[5, 6])
+    expected = model(x, training=False)
+    with fused_batch_norm(model):
+        np.testing.assert_array_equal(model(x, training=False), expected)
+    assert "call" not in vars(model.layers[1])
+
+
+def test_the_backward_working_set_shrinks():
+    unfused = analyze(keras_training_step(_model((32, 32, 3)), 64))
+    fused = analyze(keras_training_step(_model((32, 32, 3)), 64, fuse_batch_norm=True))
+    assert fused.peak_bytes < unfused.peak_bytes
+
+
+def test_layers_it_cannot_fuse_are_named_with_the_reason():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((5, 4)), keras.layers.BatchNormalization(axis=1),
+                              keras.layers.BatchNormalization(epsilon=1e-6),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    with pytest.warns(UserWarning, match="left unfused: inputs of rank 3"):
+        keras_training_step(model, 2, loss=keras.losses.MeanSquaredError(), fuse_batch_norm=True)
+    with fused_batch_norm(model) as left_alone:
+        pass
+    assert [(u.layer, u.reason.split(":")[0]) for u in left_alone] == [
+        (model.layers[0].path, "inputs of rank 3"), (model.layers[1].path, "inputs of rank 3")]
+    layer = keras.layers.BatchNormalization(axis=1, epsilon=1e-6)
+    assert unfusable_because(layer, 4).startswith("normalizes axis")
+    layer.axis = [-1]
+    assert unfusable_because(layer, 4).startswith("epsilon 1e-06 is below")
