@@ -199,12 +199,17 @@ def main():
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
             entry["tf_ucudnn"].append(trial)
             print(name, json.dumps(trial)[:300], flush=True)
+            _save(results, name, entry, args.out)  # each trial, lest a time limit lose them all
             if trial.get("img_per_s"):
                 break
-        results["models"][name] = entry
         print(name, "TensorFlow", batch, rate, flush=True)
-        with open(args.out, "w") as out:
-            json.dump(results, out, indent=1)
+        _save(results, name, entry, args.out)
+
+
+def _save(results: dict, name: str, entry: dict, path: str) -> None:
+    results["models"][name] = entry
+    with open(path, "w") as out:
+        json.dump(results, out, indent=1)
 
 
 if __name__ == "__main__":
