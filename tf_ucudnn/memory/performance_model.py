@@ -20,6 +20,7 @@ from typing import Callable, Collection, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 GB = 1e9
 
@@ -61,7 +62,11 @@ class DeviceModel:
                 for hop in hops:
                     with tf.device(hop):
                         x = tf.identity(x)
-                return x[:1]
+                    # Kept as the swap nodes are: Grappler may drop an Identity it sees through.
+                    x.op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
+                if hops[-1] == device:
+                    return tf.reduce_sum(x)  # back on the device: a scalar comes out
+                return x  # on the host, whole: nothing is left to copy
             return run
 
         def best_seconds(run):
@@ -80,10 +85,14 @@ class DeviceModel:
 
         out = best_seconds(copies("/CPU:0"))
         round_trip = best_seconds(copies("/CPU:0", device))
+        if round_trip <= out:
+            raise RuntimeError(f"copying {size_bytes} bytes out and back in to {device} took "
+                               f"{round_trip * 1e3:.3f} ms, no longer than out alone "
+                               f"({out * 1e3:.3f} ms): the copies did not run as timed")
         name = tf.config.experimental.get_device_details(
             tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
         return cls(name, device_to_host=size_bytes / out,
-                   host_to_device=size_bytes / max(round_trip - out, 1e-9))
+                   host_to_device=size_bytes / (round_trip - out))
 
 
 def tensor_bytes(tensor) -> Optional[int]:
