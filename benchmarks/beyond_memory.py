@@ -140,6 +140,8 @@ def main():
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--link-gb-s", type=float, nargs=2, metavar=("D2H", "H2D"),
+                        help="host link bandwidths to plan with, instead of measuring them")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -148,7 +150,9 @@ def main():
     from tf_ucudnn import models
     from tf_ucudnn.memory import DeviceModel, analyze, keras_training_step
 
-    device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else DeviceModel.measure())
+    device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else
+                    DeviceModel(device, args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9)
+                    if args.link_gb_s else DeviceModel.measure())
     results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
                "memory_limit_gib": args.memory_limit_gib,
                "budget_fractions": args.budget_fractions,

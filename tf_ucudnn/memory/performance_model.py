@@ -56,17 +56,22 @@ class DeviceModel:
                                "with the bandwidths instead")
         count = size_bytes // 4
 
-        def copies(*hops):
+        def kept(x):
+            # Kept as the swap nodes are: Grappler may drop an Identity it sees through.
+            x.op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
+            return x
+
+        def copies(back_whole: bool):
+            """Out to the host, then back whole, or only one value back; summed on the device
+            so that what the caller receives (unpinned, and timed too) is one number."""
             @tf.function(autograph=False)
             def run(x):
-                for hop in hops:
-                    with tf.device(hop):
-                        x = tf.identity(x)
-                    # Kept as the swap nodes are: Grappler may drop an Identity it sees through.
-                    x.op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
-                if hops[-1] == device:
-                    return tf.reduce_sum(x)  # back on the device: a scalar comes out
-                return x  # on the host, whole: nothing is left to copy
+                with tf.device("/CPU:0"):
+                    x = kept(tf.identity(x))
+                    if not back_whole:
+                        x = x[:1]
+                with tf.device(device):
+                    return tf.reduce_sum(kept(tf.identity(x)))
             return run
 
         def best_seconds(run):
@@ -83,8 +88,8 @@ class DeviceModel:
                     best = min(best, time.perf_counter() - start)
             return best
 
-        out = best_seconds(copies("/CPU:0"))
-        round_trip = best_seconds(copies("/CPU:0", device))
+        out = best_seconds(copies(back_whole=False))
+        round_trip = best_seconds(copies(back_whole=True))
         if round_trip <= out:
             raise RuntimeError(f"copying {size_bytes} bytes out and back in to {device} took "
                                f"{round_trip * 1e3:.3f} ms, no longer than out alone "
