@@ -359,8 +359,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
 
 def _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates):
     """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
-    it back in (a batch normalization or activation from a kept convolution output), largest
-    first, unless what it reads is itself recomputed."""
+    it back in (activations and normalizations; on an H100 over PCIe, convolution outputs too),
+    largest first, unless what it reads is itself recomputed."""
     chosen, pinned = [], set()
     for tensor in sorted(tensors, key=lambda t: -t.bytes):
         cost = recompute_ms.get(tensor.name)
