@@ -49,17 +49,19 @@ def main():
     parser.add_argument("--step-ms", type=float, default=250.0)
     parser.add_argument("--link-gb-s", type=float, default=25.0)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6, 0.4, 0.3])
+    parser.add_argument("--fuse-batch-norm", action="store_true",
+                        help="trace batch normalization as fused kernels")
     parser.add_argument("--measure", action="store_true",
                         help="run each planned step on the CPU and record its measured peak")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = models.load_model(args.model)
-    step = keras_training_step(model, args.batch)
+    step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
     liveness = analyze(step)
     peak = liveness.peak_bytes + liveness.persistent_bytes
     link = DeviceModel("assumed", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     results = {"benchmark": "memory_plan_prediction", "model": args.model, "batch": args.batch,
-               "step_ms": args.step_ms, "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
+               "step_ms": args.step_ms, "fuse_batch_norm": args.fuse_batch_norm, "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
                "unplanned_peak_bytes": peak, "budgets": []}
     if args.measure:
         try:

@@ -66,3 +66,34 @@ def test_recomputation_chains_reach_back_to_kept_tensors():
     # The chain starts from the convolution's output, kept for the backward pass anyway.
     conv = next(op for op in operations if op.type == "Conv2D" and "gradient" not in op.name)
     assert any(name.startswith(conv.name.rsplit("/", 1)[0]) for name in chain.reads)
+
+
+def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
+    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
+    from tf_ucudnn.memory.liveness import analyze
+    from tf_ucudnn.memory.planner import _after_forward, _op_times
+    from training_steps import gradient_step
+
+    tf.keras.utils.set_random_seed(5)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([tf.keras.Input((16, 16, 3))] + [
+        layer for _ in range(3) for layer in (layers.Conv2D(8, 3, padding="same"),
+                                              layers.BatchNormalization(), layers.ReLU())] + [
+        layers.GlobalAveragePooling2D(), layers.Dense(2)])
+    with fused_batch_norm(model):
+        step = gradient_step(model, 8)
+    report = analyze(step)
+    operations = step.graph.get_operations()
+    after = _after_forward(operations, report, _op_times(step.graph, SLOW_LINK, None, None))
+    # The tape's zeros for the fused kernel's unused outputs come late in the graph's order but
+    # are ready at once, as are the shapes it reads off forward tensors: neither can time a
+    # swap-in or a recomputation.
+    early = {op.name for op, use in zip(operations, report.ops)
+             if use.backward and op.type in ("Fill", "ZerosLike", "ShapeN")}
+    assert early and not early & after
+    assert all(op.name in after for op in operations
+               if op.type in ("Conv2DBackpropInput", "FusedBatchNormGradV3", "ReluGrad"))
+    peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
+    plan = plan_step_memory(step, int(peak * 0.8), SLOW_LINK)
+    anchors = [s.prefetch_after for s in plan.swaps] + [r.trigger for r in plan.recomputes]
+    assert anchors and all(anchor in after for anchor in anchors)

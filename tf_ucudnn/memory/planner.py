@@ -126,11 +126,14 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
     operations = graph.get_operations()
 
     readers_inputs: dict[tuple, set] = {}  # asked once per option per round: read once
+    after_forward = _after_forward(operations, report, op_ms)
 
     def anchored(index: int, consumers: tuple) -> int:
         """The op at `index`, or the last one before it fit to start a swap-in or recomputation
-        after. Not ops without inputs (constants run whenever the executor likes, so they time
-        nothing); not stateful ones (variable reads get ordering edges of their own from
+        after. Not ops that can run before the forward pass ends (a shape read off a forward
+        tensor is ready early, however late it comes in the graph's order, and TensorFlow's
+        executor runs what is ready); not ops without inputs (constants run whenever the
+        executor likes, so they time nothing); not stateful ones (variable reads get ordering edges of their own from
         tf.function); not ops sharing an input with a reader of the swapped tensor (TensorFlow's
         fusions, such as oneDNN's filter gradient with bias gradient, would merge the two and
         close a cycle through the swap-in)."""
@@ -140,7 +143,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                                                   for t in operations[i].inputs}
 
         def unfit(op):
-            return (not op.inputs or op.op_def.is_stateful
+            return (op.name not in after_forward or not op.inputs or op.op_def.is_stateful
                     or any(t.dtype in (tf.resource, tf.variant) for t in op.inputs)
                     or any(t.name in shared for t in op.inputs))
         while index > 0 and unfit(operations[index]):
@@ -176,6 +179,21 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                   for decision in decisions.recomputes
                   for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
+
+
+def _after_forward(operations, report: LivenessReport, op_ms) -> set:
+    """The ops that cannot start before the forward pass ends: their earliest start, over their
+    data and control inputs with these op times, is no earlier than the earliest the forward
+    pass can end, but for the loss's own reduction (the gradient starts from the op before it:
+    a 2% margin)."""
+    index = {op.name: i for i, op in enumerate(operations)}
+    earliest = [0.0] * len(operations)
+    for i, op in enumerate(operations):
+        before = [index[t.op.name] for t in op.inputs] + [index[c.name] for c in op.control_inputs]
+        earliest[i] = max((earliest[j] + op_ms[j] for j in before), default=0.0)
+    forward_end = max((earliest[i] + op_ms[i] for i, op in enumerate(report.ops)
+                       if not op.backward), default=0.0)
+    return {op.name for i, op in enumerate(operations) if earliest[i] >= 0.98 * forward_end}
 
 
 def _buffer(tensor: tf.Tensor) -> str:
