@@ -50,11 +50,13 @@ def test_swap_nodes_are_placed_wired_and_protected():
     nodes = {node.name: node for node in graph_def.node}
     for swap in swaps:
         base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
-        swap_out, swap_in = nodes[f"{base}/out"], nodes[f"{base}/in"]
+        swap_out, held, swap_in = (nodes[f"{base}/{part}"] for part in ("out", "held", "in"))
         assert swap_out.device == HOST and list(swap_out.input) == [swap.tensor]
-        assert swap_in.input[0] == swap_out.name
-        assert swap_in.input[1] == f"^{swap.prefetch_after}"
-        assert swap_in.attr["_grappler_do_not_remove"].b
+        # The copy back waits on the host: the transfer starts after the prefetch op.
+        assert held.device == HOST
+        assert list(held.input) == [swap_out.name, f"^{swap.prefetch_after}"]
+        assert list(swap_in.input) == [held.name]
+        assert all(node.attr["_grappler_do_not_remove"].b for node in (swap_out, held, swap_in))
         for consumer in swap.backward_consumers:
             assert swap_in.name in nodes[consumer].input
             assert not {swap.tensor, swap.producer} & set(nodes[consumer].input)

@@ -3,10 +3,10 @@
 For each chosen tensor, a swap-out node (an Identity placed on the host) copies it out after it is
 produced, and a swap-in node (an Identity on the tensor's own device) copies it back for its
 backward consumers, which are rewired to read the copy. Once its forward consumers and the
-swap-out have run, TensorFlow frees the device buffer; the swap-in allocates a new one. The
-swap-in waits, through a control edge, for the op the performance model names, so that the
-transfer starts early enough to hide behind the computation in between, but not so early that
-the tensor is back on the device long before it is needed.
+swap-out have run, TensorFlow frees the device buffer; the swap-in allocates a new one. A host
+Identity between the two waits, through a control edge, for the op the performance model names,
+so that the transfer starts early enough to hide behind the computation in between, but not so
+early that the tensor is back on the device long before it is needed.
 
 Why explicit Identity nodes rather than Grappler's own swapping (the `_swap_to_host` hint of its
 memory optimizer): Grappler swaps only on GPU graphs and schedules the swap-in by its own cost
@@ -73,13 +73,17 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
         base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
         swap_out = result.node.add(name=f"{base}/out", op="Identity", device=HOST,
                                    input=[swap.tensor])
-        swap_in = result.node.add(name=f"{base}/in", op="Identity",
-                                  device=producer.device or device, input=[swap_out.name])
+        on_host = [swap_out]
         if swap.prefetch_after is not None:
-            swap_in.input.append(f"^{swap.prefetch_after}")
+            # The wait is on the host side: TensorFlow sends a tensor to another device as soon
+            # as it exists, so a wait on the swap-in itself would hold the copy already made.
+            on_host.append(result.node.add(name=f"{base}/held", op="Identity", device=HOST,
+                                           input=[swap_out.name, f"^{swap.prefetch_after}"]))
             # Folded or pruned by Grappler, the prefetch op could drag the edge elsewhere.
             protect(nodes[swap.prefetch_after])
-        for node in (swap_out, swap_in):
+        swap_in = result.node.add(name=f"{base}/in", op="Identity",
+                                  device=producer.device or device, input=[on_host[-1].name])
+        for node in (*on_host, swap_in):
             node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype.as_datatype_enum))
             protect(node)
         rewire(nodes, swap, swap_in.name, SwapError)
