@@ -45,7 +45,7 @@ class DeviceModel:
                                           moved / self.memory_bandwidth)
 
     @classmethod
-    def measure(cls, device: str = "/GPU:0", size_bytes: int = 256 << 20,
+    def measure(cls, device: str = "/GPU:0", size_bytes: int = 1 << 30,
                 repeats: int = 5) -> "DeviceModel":
         """Times copies of a `size_bytes` tensor between the host and `device` the way the swap
         nodes make them: out to the host, and back from what came out. TensorFlow receives a
