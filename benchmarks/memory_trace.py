@@ -1,0 +1,122 @@
+"""What is alive at the allocator's peak when a planned training step runs: TensorFlow's profiler
+records each allocation and release with the op that asked for it, and this replays them.
+
+    python benchmarks/memory_trace.py --batch 384 --budget-gib 12 --link-gb-s 46 \\
+        --memory-limit-gib 16 --fuse-batch-norm --out $OUT/trace_384.json
+
+Where the measured peak and the plan's prediction part, the list says which tensors the
+prediction did not expect (Grappler's layout transposes, buffers held by copies, recomputations
+run early). On the CPU, run with TF_CPU_ALLOCATOR_USE_BFC=true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import tempfile
+
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+
+def _stats(plane, event) -> dict:
+    values = {}
+    for stat in event.stats:
+        kind = stat.WhichOneof("value")
+        values[plane.stat_metadata[stat.metadata_id].name] = (
+            plane.stat_metadata[stat.ref_value].name if kind == "ref_value"
+            else getattr(stat, kind))
+    return values
+
+
+def alive_at_peak(xspace_path: str, device_allocator: bool, top: int = 40) -> dict:
+    """Replays the allocator events of one profile: the peak, the op at it, and the largest
+    buffers alive then, with the op that allocated each."""
+    space = xplane_pb2.XSpace()
+    with open(xspace_path, "rb") as file:
+        space.ParseFromString(file.read())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                kind = plane.event_metadata[event.metadata_id].name
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = _stats(plane, event)
+                if ("GPU" in str(stats.get("allocator_name", ""))) == device_allocator:
+                    events.append((line.timestamp_ns + event.offset_ps / 1000, kind, stats))
+    events.sort(key=lambda e: e[0])
+    live, peak, at_peak, peak_op = {}, -1, {}, None
+    for _, kind, stats in events:
+        if kind == "MemoryAllocation":
+            live[stats.get("addr")] = (int(stats.get("requested_bytes", 0)),
+                                       str(stats.get("tf_op", "")))
+        else:
+            live.pop(stats.get("addr"), None)
+        in_use = int(stats.get("bytes_allocated", 0))
+        if in_use > peak:
+            peak, at_peak, peak_op = in_use, dict(live), str(stats.get("tf_op", ""))
+    largest = sorted(at_peak.values(), key=lambda v: -v[0])[:top]
+    return {"peak_bytes": peak, "peak_op": peak_op, "events": len(events),
+            "largest_alive": [{"bytes": size, "op": op} for size, op in largest]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--budget-gib", type=float, help="plan under this budget (none: as is)")
+    parser.add_argument("--link-gb-s", type=float, default=46.0)
+    parser.add_argument("--step-ms", type=float, help="the unplanned step's time, if measured")
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0)
+    parser.add_argument("--fuse-batch-norm", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(gpus[0], [
+            tf.config.LogicalDeviceConfiguration(memory_limit=int(args.memory_limit_gib * 1024))])
+    device = "GPU:0" if gpus else "CPU:0"
+
+    import tf_ucudnn
+    from tf_ucudnn import models
+    from tf_ucudnn.memory import DeviceModel, keras_training_step
+
+    model = models.load_model(args.model)
+    step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
+    result = {"benchmark": "memory_trace", "model": args.model, "batch": args.batch,
+              "device": device, "budget_gib": args.budget_gib, "link_gb_s": args.link_gb_s,
+              "fuse_batch_norm": args.fuse_batch_norm}
+    if args.budget_gib:
+        link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
+        step, report = tf_ucudnn.rewrite(step, memory_budget=int(args.budget_gib * 2**30),
+                                         device_model=link, step_ms=args.step_ms)
+        result.update(swaps=len(report.memory.swaps), recomputes=len(report.memory.recomputes),
+                      predicted_peak_bytes=report.memory.decisions.prediction.peak_bytes)
+    x = tf.random.stateless_uniform([args.batch, *model.input_shape[1:]], seed=[1, 2])
+    y = tf.zeros([args.batch], tf.int32)
+    logdir = tempfile.mkdtemp(prefix="memory_trace")
+    for profiled in (False, True):  # the first step builds and tunes; the second is traced
+        if profiled:
+            tf.config.experimental.reset_memory_stats(device)
+            tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
+                host_tracer_level=3, device_tracer_level=0))
+        try:
+            step(x, y).numpy()
+        except tf.errors.OpError as error:
+            result["error" if profiled else "first_step_error"] = str(error).splitlines()[0]
+        finally:
+            if profiled:
+                tf.profiler.experimental.stop()
+    result["measured_peak_bytes"] = tf.config.experimental.get_memory_info(device)["peak"]
+    (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    result.update(alive_at_peak(path, device_allocator=bool(gpus)))
+    with open(args.out, "w") as out:
+        json.dump(result, out, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "largest_alive"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
