@@ -52,6 +52,8 @@ def test_a_late_swap_in_frees_memory_and_shows_its_cost():
     prediction = predict(op_ms, tensors, LINK, [SwapDecision("A", prefetch_after=2)])
     assert prediction.step_ms == 5.0 and prediction.exposed_transfer_ms == 1.0
     assert prediction.peak_bytes == 150 and prediction.peak_op == 1
+    # A's copy out ends at t=2, when op2 starts: op2 must wait for it, as the model assumes.
+    assert prediction.copied_out_before == (("A", 2),)
 
 
 def test_swaps_wait_for_each_other_on_one_copy_engine():

@@ -29,7 +29,8 @@ def _conv_input_swaps(graph, prefetch=False):
             continue
         tensor = op.inputs[0]
         backward = [c.name for c in tensor.consumers() if "gradient" in c.name]
-        swaps.append(Swap(tensor.name, backward, ops[last_forward].name if prefetch else None))
+        swaps.append(Swap(tensor.name, backward, ops[last_forward].name if prefetch else None,
+                          ops[last_forward + 1].name if prefetch else None))
     return swaps
 
 
@@ -57,6 +58,8 @@ def test_swap_nodes_are_placed_wired_and_protected():
         assert list(held.input) == [swap_out.name, f"^{swap.prefetch_after}"]
         assert list(swap_in.input) == [held.name]
         assert all(node.attr["_grappler_do_not_remove"].b for node in (swap_out, held, swap_in))
+        # The op the model frees the buffer before waits for the copy out.
+        assert f"^{swap_out.name}" in nodes[swap.copied_out_before].input
         for consumer in swap.backward_consumers:
             assert swap_in.name in nodes[consumer].input
             assert not {swap.tensor, swap.producer} & set(nodes[consumer].input)

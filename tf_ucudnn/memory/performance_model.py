@@ -171,6 +171,9 @@ class Prediction:
     peak_bytes: int
     peak_op: int  # the op running when the peak is reached
     transfer_ms: float  # copy engines' busy time, hidden or not
+    # Per swapped tensor, the first op to start after its copy out ends: the model frees the
+    # device buffer there, so the graph must not run that op sooner.
+    copied_out_before: tuple[tuple[str, int], ...] = ()
 
     @property
     def exposed_transfer_ms(self) -> float:
@@ -269,9 +272,13 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     running = np.nonzero((start <= peak_time) & (peak_time < end))[0]
     peak_op = int(running[0]) if len(running) else len(durations) - 1
     compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
+    copied_out_before = tuple(
+        (name, min(max(int(np.searchsorted(start, out_done[name] - 1e-9)),
+                       by_name[name].last_forward_use + 1), by_name[name].backward_consumers[0]))
+        for name in chosen)
     return Prediction(step_ms=float(end[-1]) if len(end) else 0.0, compute_ms=compute,
                       peak_bytes=peak + persistent_bytes, peak_op=peak_op,
-                      transfer_ms=transfer)
+                      transfer_ms=transfer, copied_out_before=copied_out_before)
 
 
 def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:

@@ -169,7 +169,16 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                     groups.setdefault(read.name, []).append(op.name)
         return groups
 
-    swaps = [Swap(read, tuple(dict.fromkeys(names)), operations[decision.prefetch_after].name)
+    def gate(index: int) -> Optional[str]:
+        """The op at `index`, or the first after it that the executor cannot run at once."""
+        while index < len(operations) and (not operations[index].inputs
+                                           or operations[index].op_def.is_stateful):
+            index += 1
+        return operations[index].name if index < len(operations) else None
+
+    copied_out_before = dict(decisions.prediction.copied_out_before)
+    swaps = [Swap(read, tuple(dict.fromkeys(names)), operations[decision.prefetch_after].name,
+                  gate(copied_out_before[decision.tensor]))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
     recomputes = [Recompute(read, tuple(dict.fromkeys(names)),

@@ -33,9 +33,13 @@ HOST = "/device:CPU:0"
 @dataclasses.dataclass(frozen=True)
 class Swap(KeptTensor):
     """Swap `tensor` out after its producer and back in for `backward_consumers`, starting once
-    `prefetch_after` (a node name, or None: as soon as possible) ran."""
+    `prefetch_after` (a node name, or None: as soon as possible) ran. `copied_out_before`
+    (a node name, or None) waits for the copy out to end: TensorFlow's executor queues GPU
+    kernels well ahead of the device, while a copy frees its source only once it ran, so
+    without the wait the executor allocates for later ops while the buffer is still held."""
 
     prefetch_after: Optional[str] = None
+    copied_out_before: Optional[str] = None
 
 
 class SwapError(ValueError):
@@ -67,9 +71,10 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
             raise SwapError(f"{swap.tensor}: {error}") from error
         if not swap.backward_consumers:
             raise SwapError(f"{swap.tensor}: no backward consumers to swap it in for")
-        if swap.prefetch_after is not None and swap.prefetch_after not in nodes:
-            raise SwapError(f"{swap.tensor}: prefetch_after names no node "
-                            f"({swap.prefetch_after!r})")
+        for role in ("prefetch_after", "copied_out_before"):
+            name = getattr(swap, role)
+            if name is not None and name not in nodes:
+                raise SwapError(f"{swap.tensor}: {role} names no node ({name!r})")
         base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
         swap_out = result.node.add(name=f"{base}/out", op="Identity", device=HOST,
                                    input=[swap.tensor])
@@ -83,6 +88,9 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
             protect(nodes[swap.prefetch_after])
         swap_in = result.node.add(name=f"{base}/in", op="Identity",
                                   device=producer.device or device, input=[on_host[-1].name])
+        if swap.copied_out_before is not None:
+            nodes[swap.copied_out_before].input.append(f"^{swap_out.name}")
+            protect(nodes[swap.copied_out_before])
         for node in (*on_host, swap_in):
             node.attr["T"].CopyFrom(attr_value_pb2.AttrValue(type=dtype.as_datatype_enum))
             protect(node)
