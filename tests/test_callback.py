@@ -182,3 +182,26 @@ def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
         _fit(_vgg_style, [callback], epochs=1)
     assert "train_step" not in vars(callback.model)
     assert all("convolution_op" not in vars(layer) for layer in callback.model.layers)
+
+
+def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after():
+    plain, plain_history = _fit(_resnet_style, [])
+    callback = MicroBatchCallback(planner=SplittingPlanner(), fuse_batch_norm=True, verbose=0)
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            training = tf.function(lambda x: self.model(x, training=True))  # traced, not run
+            graph = training.get_concrete_function(tf.TensorSpec([16, 12, 12, 3])).graph
+            seen.setdefault("types", {op.type for op in graph.get_operations()})
+
+    fused, history = _fit(_resnet_style, [callback, Probe()])
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(fused.get_weights(), plain.get_weights()):  # moving statistics included
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "FusedBatchNormV3" in seen["types"]
+    assert callback.unfused_batch_norm == []
+    assert "batch normalization trained as fused kernels; 0 layer(s)" in callback.summary()
+    normalization = [layer for layer in fused.layers
+                     if isinstance(layer, keras.layers.BatchNormalization)]
+    assert normalization and all("call" not in vars(layer) for layer in normalization)
