@@ -61,7 +61,8 @@ def main():
     peak = liveness.peak_bytes + liveness.persistent_bytes
     link = DeviceModel("assumed", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     results = {"benchmark": "memory_plan_prediction", "model": args.model, "batch": args.batch,
-               "step_ms": args.step_ms, "fuse_batch_norm": args.fuse_batch_norm, "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
+               "step_ms": args.step_ms, "fuse_batch_norm": args.fuse_batch_norm,
+               "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
                "unplanned_peak_bytes": peak, "budgets": []}
     if args.measure:
         try:

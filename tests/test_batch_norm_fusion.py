@@ -44,8 +44,9 @@ def test_fused_training_matches_keras(shape, conv, options):
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     for got, want in zip(gradients, expected_gradients):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    normalization = [layer for layer in (reference, fused)
-                     for layer in layer.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    normalization = [next(layer for layer in model.layers
+                          if isinstance(layer, keras.layers.BatchNormalization))
+                     for model in (reference, fused)]
     for want, got in zip(normalization[0].non_trainable_weights,
                          normalization[1].non_trainable_weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

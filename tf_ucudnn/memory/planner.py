@@ -134,10 +134,10 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
         after. Not ops that can run before the forward pass ends (a shape read off a forward
         tensor is ready early, however late it comes in the graph's order, and TensorFlow's
         executor runs what is ready); not ops without inputs (constants run whenever the
-        executor likes, so they time nothing); not stateful ones (variable reads get ordering edges of their own from
-        tf.function); not ops sharing an input with a reader of the swapped tensor (TensorFlow's
-        fusions, such as oneDNN's filter gradient with bias gradient, would merge the two and
-        close a cycle through the swap-in)."""
+        executor likes, so they time nothing); not stateful ones (variable reads get ordering
+        edges of their own from tf.function); not ops sharing an input with a reader of the
+        swapped tensor (TensorFlow's fusions, such as oneDNN's filter gradient with bias
+        gradient, would merge the two and close a cycle through the swap-in)."""
         shared = readers_inputs.get(consumers)
         if shared is None:
             shared = readers_inputs[consumers] = {t.name for i in consumers
