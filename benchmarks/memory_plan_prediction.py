@@ -48,7 +48,10 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=250.0)
     parser.add_argument("--link-gb-s", type=float, default=25.0)
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6, 0.4, 0.3])
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.8, 0.6, 0.4, 0.3],
+                        help="budgets as fractions of the unplanned peak")
+    parser.add_argument("--budgets-gib", type=float, nargs="+", default=[],
+                        help="budgets in GiB, besides the fractions")
     parser.add_argument("--fuse-batch-norm", action="store_true",
                         help="trace batch normalization as fused kernels")
     parser.add_argument("--measure", action="store_true",
@@ -69,13 +72,17 @@ def main():
             results["measured_unplanned_peak_bytes"] = _measured_peak(step, model, args.batch)
         except ValueError as error:
             raise SystemExit(f"--measure needs TF_CPU_ALLOCATOR_USE_BFC=true ({error})")
-    for fraction in args.fractions:
+    budgets = [(fraction, int(peak * fraction)) for fraction in args.fractions] + \
+        [(None, int(gib * 2**30)) for gib in args.budgets_gib]
+    for fraction, budget in budgets:
         start = time.perf_counter()
-        row = {"fraction": fraction, "budget_bytes": int(peak * fraction)}
+        row = {"fraction": fraction, "budget_bytes": budget}
         try:
             plan = plan_step_memory(step, row["budget_bytes"], link, step_ms=args.step_ms)
             row.update(plan.decisions.prediction.to_json(), swaps=len(plan.swaps),
-                       recomputes=len(plan.recomputes))
+                       recomputes=len(plan.recomputes),
+                       recomputed_from_swapped=sum(bool(d.swapped_reads)
+                                                   for d in plan.decisions.recomputes))
             if args.measure:
                 row["measured_peak_bytes"] = _measured_peak(apply_memory_plan(step, plan), model,
                                                             args.batch)

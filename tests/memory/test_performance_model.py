@@ -185,3 +185,33 @@ def test_roofline_estimates_of_op_times():
     fast_memory = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e15, peak_flops=1e9,
                               launch_ms=0.0)
     assert fast_memory.op_ms(by_type["Conv2D"]) == pytest.approx(3888 / 1e9 * 1e3)
+
+
+def test_a_recomputation_may_read_a_tensor_swapped_back_for_it():
+    # R (op0) is read by op1, which makes X; both are read back by the backward pass (X at op6,
+    # R at op8). Y (150 B) over op3..op4 needs both gone: X recomputed (0.5 ms) from R, and R
+    # swapped out, back in time for X's recomputation at op6, not just for op8.
+    op_ms = [1.0] * 9
+    tensors = [TensorUse("R", 100, 0, (1, 8), (8,)), TensorUse("X", 100, 1, (2, 6), (6,)),
+               TensorUse("Y", 150, 3, (4,))]
+    x_from_r = RecomputeDecision("X", 0.5, swapped_reads=("R",))
+    with pytest.raises(ValueError, match="before its first backward use \\(6\\)"):
+        predict(op_ms, tensors, LINK, [SwapDecision("R", 6)], recomputes=[x_from_r])
+    with pytest.raises(ValueError, match="reads R back from the host, but it is not swapped"):
+        predict(op_ms, tensors, LINK, recomputes=[x_from_r])
+    # In after op4 (t=5..6): X is recomputed at t=6, op6 runs 6.5..7.5, the step ends at 9.5.
+    both = predict(op_ms, tensors, LINK, [SwapDecision("R", 4)], recomputes=[x_from_r])
+    assert both.peak_bytes == 200 and both.step_ms == pytest.approx(9.5)
+    # Back only after op5 (t=6..7), R holds X's recomputation up by a millisecond.
+    late = predict(op_ms, tensors, LINK, [SwapDecision("R", 5)], recomputes=[x_from_r])
+    assert late.step_ms == pytest.approx(10.5)
+
+    # X cannot be swapped here (no op to time its swap-in): it must be recomputed.
+    options = dict(recompute_ms={"X": 0.5}, recompute_reads={"X": {"R"}},
+                   prefetch_point=lambda tensor, index: index if tensor.name == "R" else -1)
+    with pytest.raises(BudgetError):  # read as it is, R would have to stay
+        plan_memory(op_ms, tensors, LINK, budget_bytes=210, **options)
+    plan = plan_memory(op_ms, tensors, LINK, budget_bytes=210, swappable_reads={"X": {"R"}},
+                       **options)
+    assert [s.tensor for s in plan.swaps] == ["R"] and plan.swaps[0].prefetch_after < 6
+    assert plan.recomputes == (x_from_r,) and plan.prediction.peak_bytes <= 210

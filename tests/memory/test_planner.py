@@ -97,3 +97,45 @@ def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
     plan = plan_step_memory(step, int(peak * 0.8), SLOW_LINK)
     anchors = [s.prefetch_after for s in plan.swaps] + [r.trigger for r in plan.recomputes]
     assert anchors and all(anchor in after for anchor in anchors)
+
+
+def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_results():
+    from tf_ucudnn.memory.liveness import analyze
+    from tf_ucudnn.memory.performance_model import (MemoryDecisions, RecomputeDecision,
+                                                    SwapDecision, predict)
+    from tf_ucudnn.memory.planner import MemoryPlan, _op_times, _recompute_chains
+    from tf_ucudnn.memory.recompute import CLONE, Recompute
+    from tf_ucudnn.memory.swap import Swap
+
+    step = conv_training_step()
+    report = analyze(step)
+    operations = step.graph.get_operations()
+    op_ms = _op_times(step.graph, SLOW_LINK, None, None)
+    by_name = {t.name: t for t in report.tensors}
+    # A convolution's output, made again from its input, which is itself swapped.
+    made, chain = next((name, chain) for name, chain in
+                       _recompute_chains(step.graph, report, op_ms).items()
+                       if chain.direct_reads and "Conv2D" in
+                       {operations[by_name[name].producer].type,
+                        *(step.graph.get_operation_by_name(op).type for op in chain.ops)})
+    tensor, read = by_name[made], by_name[sorted(chain.direct_reads)[0]]
+    prefetch = max(read.last_forward_use, tensor.backward_consumers[0] - 2)
+    swap = SwapDecision(read.name, prefetch)
+    recompute = RecomputeDecision(made, chain.cost_ms, (read.name,))
+    decisions = MemoryDecisions((swap,), (recompute,), predict(
+        op_ms, report.tensors, SLOW_LINK, [swap], report.persistent_bytes, [recompute]))
+
+    def readers(kept):
+        return tuple(operations[i].name for i in kept.backward_consumers
+                     if any(t.name == kept.name for t in operations[i].inputs))
+    plan = MemoryPlan(1 << 40, report, decisions,
+                      [Swap(read.name, readers(read), operations[prefetch].name)],
+                      [Recompute(made, readers(tensor),
+                                 operations[tensor.backward_consumers[0] - 1].name, chain.ops)])
+    planned = apply_memory_plan(step, plan)
+    swap_in = f"{read.name.rsplit(':', 1)[0]}/ucudnn_swap_0/in"
+    nodes = planned.get_concrete_function().graph.as_graph_def().node
+    # (The planned function imports the graph under a scope of its own.)
+    assert any(CLONE in node.name and any(name.endswith(swap_in) for name in node.input)
+               for node in nodes), "the clone should read the copy swapped back in"
+    assert_same_step(step, planned, rtol=1e-5, atol=1e-6)

@@ -162,6 +162,7 @@ class SwapDecision:
 class RecomputeDecision:
     tensor: str
     cost_ms: float  # the time of the ops that recompute it
+    swapped_reads: tuple[str, ...] = ()  # swapped tensors it reads: back before it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,12 +197,13 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         if decision.tensor in {swap.tensor for swap in swaps}:
             raise ValueError(f"{decision.tensor}: both swapped and recomputed")
         recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
+    due = _due(by_name, recomputes)
     chosen = {}
     for swap in swaps:
         tensor = by_name.get(swap.tensor)
         if tensor is None or not tensor.backward_consumers:
             raise ValueError(f"{swap.tensor}: not a tensor kept for the backward pass")
-        first_backward = tensor.backward_consumers[0]
+        first_backward = due.get(swap.tensor, tensor.backward_consumers[0])
         if not tensor.last_forward_use <= swap.prefetch_after < first_backward:
             raise ValueError(f"{swap.tensor}: the prefetch op must come after its last forward "
                              f"use ({tensor.last_forward_use}) and before its first backward "
@@ -217,6 +219,12 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         prefetched_at.setdefault(swap.prefetch_after, []).append(tensor)
         for consumer in tensor.backward_consumers:
             waits.setdefault(consumer, []).append(name)
+    for decision in recomputes:
+        for read in decision.swapped_reads:
+            if read not in chosen:
+                raise ValueError(f"{decision.tensor}: its recomputation reads {read} back from "
+                                 "the host, but it is not swapped")
+            waits.setdefault(by_name[decision.tensor].backward_consumers[0], []).append(read)
 
     # Only ops that wait, or start or end a transfer, need a look of their own; the others run
     # back to back, so times are prefix sums shifted by the waits before them.
@@ -256,6 +264,7 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     for tensor in tensors:
         last = max(tensor.consumers, default=tensor.producer)
         if tensor.name in chosen:
+            last = max(last, due.get(tensor.name, last))
             pieces = [(start[tensor.producer],
                        max(end[tensor.last_forward_use], out_done[tensor.name])),
                       (in_start[tensor.name], end[last])]
@@ -281,6 +290,17 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
                       transfer_ms=transfer, copied_out_before=copied_out_before)
 
 
+def _due(by_name: Mapping[str, TensorUse], recomputes) -> dict[str, int]:
+    """For each swapped tensor a recomputation reads, the first op it is needed by: its own
+    first backward reader, or the reader of a tensor recomputed from it, if earlier."""
+    due: dict[str, int] = {}
+    for decision in recomputes:
+        when = by_name[decision.tensor].backward_consumers[0]
+        for read in decision.swapped_reads:
+            due[read] = min(due.get(read, by_name[read].backward_consumers[0]), when)
+    return due
+
+
 def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:
     """Most bytes held at once by half-open [start, end) intervals, and when."""
     held = ends > starts
@@ -297,12 +317,14 @@ def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int,
 
 
 def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],
-                           model: DeviceModel) -> int:
-    """The latest op after which the swap-in still ends before the first backward use, on an
-    idle copy engine: as late as possible to hold the memory briefly, early enough to hide."""
+                           model: DeviceModel, due: Optional[int] = None) -> int:
+    """The latest op after which the swap-in still ends before the first backward use (or the
+    op `due`), on an idle copy engine: as late as possible to hold the memory briefly, early
+    enough to hide."""
     copy = tensor.bytes / model.host_to_device * 1e3
     covered = 0.0
-    for prefetch in range(tensor.backward_consumers[0] - 1, tensor.last_forward_use - 1, -1):
+    first_use = tensor.backward_consumers[0] if due is None else due
+    for prefetch in range(first_use - 1, tensor.last_forward_use - 1, -1):
         if covered >= copy:
             return prefetch
         covered += op_ms[prefetch]
@@ -325,6 +347,7 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
                 recompute_reads: Optional[Mapping[str, Collection[str]]] = None,
+                swappable_reads: Optional[Mapping[str, Collection[str]]] = None,
                 candidates: Optional[Collection[str]] = None,
                 prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
                 candidates_per_round: int = 8) -> MemoryDecisions:
@@ -337,7 +360,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     peak), the one that costs the least predicted step time per byte it frees. A recomputation
     reads the original tensors named in `recompute_reads`, which therefore stay on the device:
     once it is chosen they are neither swapped nor recomputed, and it is not chosen when one of
-    them already is. The greedy choice starts twice, from no decisions and from SuperNeurons'
+    them already is; those named in `swappable_reads` may instead be swapped, and come back
+    in time for the recomputation. The greedy choice starts twice, from no decisions and from SuperNeurons'
     (every tensor recomputed that is cheaper to make again than to copy back in); the plan that
     fits with the shorter predicted step wins. Raises BudgetError, saying by how much the budget
     is missed (the smaller shortfall of the two), when no kept tensor alive at the peak is left
@@ -347,6 +371,7 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     """
     recompute_ms = recompute_ms or {}
     recompute_reads = recompute_reads or {}
+    swappable_reads = swappable_reads or {}
     starts = [[]]
     cheap = _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates)
     if cheap:
@@ -355,8 +380,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     for recomputes in starts:
         try:
             plans.append(_greedy(op_ms, tensors, model, budget_bytes, persistent_bytes,
-                                 recompute_ms, recompute_reads, candidates, prefetch_point,
-                                 candidates_per_round, recomputes))
+                                 recompute_ms, recompute_reads, swappable_reads, candidates,
+                                 prefetch_point, candidates_per_round, recomputes))
         except BudgetError as error:
             errors.append(error)
     if plans:
@@ -383,59 +408,82 @@ def _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candi
 
 
 def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms, recompute_reads,
-            candidates, prefetch_point, candidates_per_round,
+            swappable_reads, candidates, prefetch_point, candidates_per_round,
             recomputes: list[RecomputeDecision]) -> MemoryDecisions:
-    swaps: list[SwapDecision] = []
-    prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes)
+    by_name = {t.name: t for t in tensors}
+
+    def outcome(swaps, recomputes):
+        """The prediction, each recomputation told which of its reads come back from the host
+        (and those swaps brought back in time for it)."""
+        swapped = {d.tensor for d in swaps}
+        recomputes = [RecomputeDecision(d.tensor, d.cost_ms, tuple(sorted(
+            swapped.intersection(swappable_reads.get(d.tensor, ()))))) for d in recomputes]
+        due = _due(by_name, recomputes)
+        swaps = [d if d.prefetch_after < due.get(d.tensor, by_name[d.tensor].backward_consumers[0])
+                 else SwapDecision(d.tensor, bring_back(by_name[d.tensor], due[d.tensor] - 1))
+                 for d in swaps]
+        if any(d.prefetch_after < by_name[d.tensor].last_forward_use for d in swaps):
+            return None
+        return predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes), swaps, \
+            recomputes
+
+    def bring_back(tensor, index):
+        return prefetch_point(tensor, index) if prefetch_point is not None else index
+
+    prediction, swaps, recomputes = outcome([], recomputes)
     while prediction.peak_bytes > budget_bytes:
-        decided = {d.tensor for d in swaps} | {d.tensor for d in recomputes}
-        read_by_recomputes = {name for d in recomputes
-                              for name in recompute_reads.get(d.tensor, ())}
+        swapped = {d.tensor for d in swaps}
+        recomputed = {d.tensor for d in recomputes}
+        due = _due(by_name, recomputes)
+        # What a chosen recomputation reads stays on the device, unless it may come back from
+        # the host; either way it is not recomputed itself.
+        read = {name for d in recomputes for name in recompute_reads.get(d.tensor, ())}
+        pinned = {name for d in recomputes for name in recompute_reads.get(d.tensor, ())
+                  if name not in swappable_reads.get(d.tensor, ())}
         alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
                         and (candidates is None or t.name in candidates)
-                        and t.name not in decided and t.name not in read_by_recomputes
+                        and t.name not in swapped | recomputed | pinned
                         and t.producer <= prediction.peak_op <= t.consumers[-1]),
                        key=lambda t: -t.bytes)[:candidates_per_round]
-        # A swapped tensor already back at the peak may come back later instead.
-        by_name = {t.name: t for t in tensors}
-        deferrable = [(i, d) for i, d in enumerate(swaps)
-                      if d.prefetch_after < prediction.peak_op
-                      < by_name[d.tensor].backward_consumers[0]]
+
+        def may_recompute(name):
+            reads = set(recompute_reads.get(name, ()))
+            return (name in recompute_ms and name not in read and not reads & recomputed
+                    and not (reads - set(swappable_reads.get(name, ()))) & swapped)
+
         options = []
-        for i, decision in deferrable:
-            tensor = by_name[decision.tensor]
-            later = tensor.backward_consumers[0] - 1
-            if prefetch_point is not None:
-                later = prefetch_point(tensor, later)
-            if later > decision.prefetch_after:
-                options.append(([*swaps[:i], *swaps[i + 1:], SwapDecision(tensor.name, later)],
-                                recomputes))
-        # A swapped tensor still on the device at the peak, its copy out not done (the forward
-        # pass makes tensors faster than the link drains them), may be recomputed instead.
         for i, decision in enumerate(swaps):
             tensor = by_name[decision.tensor]
-            if tensor.producer <= prediction.peak_op < tensor.backward_consumers[0] and \
-                    decision.tensor in recompute_ms and \
-                    not decided.intersection(recompute_reads.get(decision.tensor, ())):
+            first_use = due.get(tensor.name, tensor.backward_consumers[0])
+            # A swapped tensor already back at the peak may come back later instead.
+            if decision.prefetch_after < prediction.peak_op < first_use:
+                later = bring_back(tensor, first_use - 1)
+                if later > decision.prefetch_after:
+                    options.append(([*swaps[:i], *swaps[i + 1:], SwapDecision(tensor.name, later)],
+                                    recomputes))
+            # One still on the device at the peak, its copy out not done (the forward pass makes
+            # tensors faster than the link drains them), may be recomputed instead.
+            if tensor.producer <= prediction.peak_op < first_use and may_recompute(tensor.name):
                 options.append(([*swaps[:i], *swaps[i + 1:]],
-                                [*recomputes, RecomputeDecision(decision.tensor,
-                                                                recompute_ms[decision.tensor])]))
+                                [*recomputes, RecomputeDecision(tensor.name,
+                                                                recompute_ms[tensor.name])]))
         if not alive and not options:
             raise BudgetError(budget_bytes, prediction)
         for tensor in alive:
-            for prefetch in {latest_hiding_prefetch(tensor, op_ms, model),
-                             tensor.backward_consumers[0] - 1}:
-                if prefetch_point is not None:
-                    prefetch = prefetch_point(tensor, prefetch)
-                    if prefetch < tensor.last_forward_use:
-                        continue  # no op the graph can use between its forward and backward uses
+            first_use = due.get(tensor.name, tensor.backward_consumers[0])
+            for prefetch in {latest_hiding_prefetch(tensor, op_ms, model, first_use),
+                             first_use - 1}:
+                prefetch = bring_back(tensor, prefetch)
+                if prefetch < tensor.last_forward_use:
+                    continue  # no op the graph can use between its forward and backward uses
                 options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputes))
-            if tensor.name in recompute_ms and \
-                    not decided.intersection(recompute_reads.get(tensor.name, ())):
+            if may_recompute(tensor.name):
                 options.append((swaps, [*recomputes,
                                         RecomputeDecision(tensor.name, recompute_ms[tensor.name])]))
-        outcomes = [(predict(op_ms, tensors, model, s, persistent_bytes, r), s, r)
-                    for s, r in options]
+        outcomes = [o for o in (outcome(s, r) for s, r in options) if o is not None]
+        if not outcomes:
+            raise BudgetError(budget_bytes, prediction)
+
         # Choices that lower the peak first, cheapest per byte they free, then the shortest step.
         def value(outcome):
             freed = prediction.peak_bytes - outcome[0].peak_bytes
@@ -445,15 +493,14 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
         # Swaps that each lower the peak at no cost are taken together, if together they still
         # cost nothing: one round instead of one each, when many transfers hide.
         free = {o[1][-1].tensor: o[1][-1] for o in outcomes
-                if o[1] is not swaps and len(o[1]) > len(swaps)  # new swaps, not deferrals
+                if len(o[1]) > len(swaps) and len(o[2]) == len(recomputes)  # new swaps only
                 and o[0].peak_bytes < prediction.peak_bytes
                 and o[0].step_ms <= prediction.step_ms + 1e-9}
         if len(free) > 1:
-            together = [*swaps, *free.values()]
-            outcome = predict(op_ms, tensors, model, together, persistent_bytes, recomputes)
-            if outcome.step_ms <= prediction.step_ms + 1e-9 and \
-                    outcome.peak_bytes < best[0].peak_bytes:
-                best = (outcome, together, recomputes)
+            together = outcome([*swaps, *free.values()], recomputes)
+            if together is not None and together[0].step_ms <= prediction.step_ms + 1e-9 and \
+                    together[0].peak_bytes < best[0].peak_bytes:
+                best = together
         prediction, swaps, recomputes = best
     return MemoryDecisions(tuple(swaps), tuple(recomputes), prediction)
 

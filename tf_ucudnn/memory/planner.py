@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.memory.liveness import ALIASING_OPS, LivenessReport, analyze
 from tf_ucudnn.memory.performance_model import DeviceModel, MemoryDecisions, plan_memory
-from tf_ucudnn.memory.recompute import Recompute, insert_recomputes, recomputable
+from tf_ucudnn.memory.recompute import CLONE, Recompute, insert_recomputes, recomputable
 from tf_ucudnn.memory.swap import Swap, insert_swaps
 
 MIB = 1 << 20
@@ -73,6 +73,7 @@ class RecomputeChain(NamedTuple):
     cost_ms: float
     ops: tuple[str, ...]  # before the producer, in execution order
     reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
+    direct_reads: frozenset  # those it reads as they are, not through an alias: or be swapped
 
 
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
@@ -95,7 +96,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             return (buffer is None or buffer.bytes == 0  # variables, constants, resources
                     or max(buffer.consumers, default=buffer.producer) >= first_backward)
 
-        chain, reads, frontier, ok = [], set(), [operations[tensor.producer]], True
+        chain, reads, direct, frontier, ok = [], set(), set(), [operations[tensor.producer]], True
         while frontier and ok:
             op = frontier.pop()
             if op.name in chain:
@@ -106,11 +107,13 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             chain.append(op.name)
             frontier += [read.op for read in op.inputs if not held(read)]
             reads.update(_buffer(read) for read in op.inputs if held(read))
+            direct.update(read.name for read in op.inputs if held(read))
         if ok:
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
-            chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]),
-                                                 frozenset(reads & set(by_name)))
+            reads &= set(by_name)
+            chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]), frozenset(reads),
+                                                 frozenset(reads & direct))
     return chains
 
 
@@ -155,6 +158,8 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                             persistent_bytes=report.persistent_bytes,
                             recompute_ms={name: chain.cost_ms for name, chain in chains.items()},
                             recompute_reads={name: chain.reads for name, chain in chains.items()},
+                            swappable_reads={name: chain.direct_reads
+                                             for name, chain in chains.items()},
                             candidates={t.name for t in report.kept()},
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
@@ -227,5 +232,32 @@ def apply_memory_plan(function, plan: MemoryPlan):
                       "plan does not count; turn it off with tf.config.optimizer."
                       "set_experimental_options({'layout_optimizer': False})")
     graph_def = insert_recomputes(function.graph.as_graph_def(), plan.recomputes, function.graph)
-    graph_def = insert_swaps(graph_def, plan.swaps)
+    graph_def = insert_swaps(graph_def, _with_clone_readers(graph_def, plan))
     return callable_over(graph_def, function)
+
+
+def _with_clone_readers(graph_def, plan: MemoryPlan) -> list[Swap]:
+    """The plan's swaps, a swapped tensor's copy back also read by the recomputations that read
+    it (their clones read the original, which is off the device by then)."""
+    swapped_reads = {read for d in plan.decisions.recomputes for read in d.swapped_reads}
+    if not swapped_reads:
+        return list(plan.swaps)
+    by_tensor = {swap.tensor: swap for swap in plan.swaps}
+    ops = plan.liveness.ops
+    decision = {d.tensor: d for d in plan.decisions.swaps}
+    copied_out_before = dict(plan.decisions.prediction.copied_out_before)
+    swaps = list(plan.swaps)
+    for read in swapped_reads:
+        probe = Swap(read, ())
+        clones = tuple(node.name for node in graph_def.node
+                       if CLONE in node.name and probe.input_names() & set(node.input))
+        if not clones:
+            continue
+        if read in by_tensor:
+            own = by_tensor[read]
+            swaps[swaps.index(own)] = dataclasses.replace(
+                own, backward_consumers=own.backward_consumers + clones)
+        else:
+            swaps.append(Swap(read, clones, ops[decision[read].prefetch_after].name,
+                              ops[copied_out_before[read]].name))
+    return swaps

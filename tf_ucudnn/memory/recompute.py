@@ -25,6 +25,7 @@ from tf_ucudnn.graph.functions import callable_over, graph_of
 from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 _NEVER = {"Placeholder", "VarHandleOp", "ReadVariableOp", "Const", "Identity"}
+CLONE = "/ucudnn_recompute"  # in the names of the clones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
                 raise RecomputeError(f"{recompute.tensor}: {name}: {reason}")
             clone = result.node.add()
             clone.CopyFrom(original)
-            clone.name = _unique(f"{name}/ucudnn_recompute", taken)
+            clone.name = _unique(f"{name}{CLONE}", taken)
             reads_a_clone = False
             for i, text in enumerate(clone.input):
                 source, _, index = text.lstrip("^").partition(":")
