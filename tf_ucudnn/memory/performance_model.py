@@ -203,7 +203,7 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         tensor = by_name.get(swap.tensor)
         if tensor is None or not tensor.backward_consumers:
             raise ValueError(f"{swap.tensor}: not a tensor kept for the backward pass")
-        first_backward = due.get(swap.tensor, tensor.backward_consumers[0])
+        first_backward = _needed_by(tensor, due)
         if not tensor.last_forward_use <= swap.prefetch_after < first_backward:
             raise ValueError(f"{swap.tensor}: the prefetch op must come after its last forward "
                              f"use ({tensor.last_forward_use}) and before its first backward "
@@ -290,6 +290,11 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
                       transfer_ms=transfer, copied_out_before=copied_out_before)
 
 
+def _needed_by(tensor: TensorUse, due: Mapping[str, int]) -> int:
+    """The first op that needs a swapped tensor back: `due`'s, or its first backward reader."""
+    return due.get(tensor.name, tensor.backward_consumers[0])
+
+
 def _due(by_name: Mapping[str, TensorUse], recomputes) -> dict[str, int]:
     """For each swapped tensor a recomputation reads, the first op it is needed by: its own
     first backward reader, or the reader of a tensor recomputed from it, if earlier."""
@@ -297,7 +302,7 @@ def _due(by_name: Mapping[str, TensorUse], recomputes) -> dict[str, int]:
     for decision in recomputes:
         when = by_name[decision.tensor].backward_consumers[0]
         for read in decision.swapped_reads:
-            due[read] = min(due.get(read, by_name[read].backward_consumers[0]), when)
+            due[read] = min(_needed_by(by_name[read], due), when)
     return due
 
 
@@ -361,13 +366,13 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     reads the original tensors named in `recompute_reads`, which therefore stay on the device:
     once it is chosen they are neither swapped nor recomputed, and it is not chosen when one of
     them already is; those named in `swappable_reads` may instead be swapped, and come back
-    in time for the recomputation. The greedy choice starts twice, from no decisions and from SuperNeurons'
-    (every tensor recomputed that is cheaper to make again than to copy back in); the plan that
-    fits with the shorter predicted step wins. Raises BudgetError, saying by how much the budget
-    is missed (the smaller shortfall of the two), when no kept tensor alive at the peak is left
-    to choose. `candidates` limits the choice to these tensors (default: every kept tensor of
-    nonzero size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph
-    can use (or before the tensor's last forward use, if there is none).
+    in time for the recomputation. The greedy choice starts twice, from no decisions and from
+    SuperNeurons' (every tensor recomputed that is cheaper to make again than to copy back in);
+    the plan that fits with the shorter predicted step wins. Raises BudgetError, saying by how
+    much the budget is missed (the smaller shortfall of the two), when no kept tensor alive at
+    the peak is left to choose. `candidates` limits the choice to these tensors (default: every
+    kept tensor of nonzero size); `prefetch_point(tensor, index)` moves a proposed prefetch op to
+    one the graph can use (or before the tensor's last forward use, if there is none).
     """
     recompute_ms = recompute_ms or {}
     recompute_reads = recompute_reads or {}
@@ -393,16 +398,17 @@ def _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candi
     """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
     it back in (activations and normalizations; on an H100 over PCIe, convolution outputs too),
     largest first, unless what it reads is itself recomputed."""
-    chosen, pinned = [], set()
+    chosen, chosen_names, pinned = [], set(), set()
     for tensor in sorted(tensors, key=lambda t: -t.bytes):
         cost = recompute_ms.get(tensor.name)
         reads = set(recompute_reads.get(tensor.name, ()))
         if cost is None or not tensor.bytes or tensor.name in pinned or \
                 (candidates is not None and tensor.name not in candidates) or \
                 cost >= tensor.bytes / model.host_to_device * 1e3 or \
-                reads & {d.tensor for d in chosen}:
+                reads & chosen_names:
             continue
         chosen.append(RecomputeDecision(tensor.name, cost))
+        chosen_names.add(tensor.name)
         pinned |= reads
     return chosen
 
@@ -419,7 +425,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
         recomputes = [RecomputeDecision(d.tensor, d.cost_ms, tuple(sorted(
             swapped.intersection(swappable_reads.get(d.tensor, ()))))) for d in recomputes]
         due = _due(by_name, recomputes)
-        swaps = [d if d.prefetch_after < due.get(d.tensor, by_name[d.tensor].backward_consumers[0])
+        swaps = [d if d.prefetch_after < _needed_by(by_name[d.tensor], due)
                  else SwapDecision(d.tensor, bring_back(by_name[d.tensor], due[d.tensor] - 1))
                  for d in swaps]
         if any(d.prefetch_after < by_name[d.tensor].last_forward_use for d in swaps):
@@ -454,7 +460,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
         options = []
         for i, decision in enumerate(swaps):
             tensor = by_name[decision.tensor]
-            first_use = due.get(tensor.name, tensor.backward_consumers[0])
+            first_use = _needed_by(tensor, due)
             # A swapped tensor already back at the peak may come back later instead.
             if decision.prefetch_after < prediction.peak_op < first_use:
                 later = bring_back(tensor, first_use - 1)
@@ -470,7 +476,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
         if not alive and not options:
             raise BudgetError(budget_bytes, prediction)
         for tensor in alive:
-            first_use = due.get(tensor.name, tensor.backward_consumers[0])
+            first_use = _needed_by(tensor, due)
             for prefetch in {latest_hiding_prefetch(tensor, op_ms, model, first_use),
                              first_use - 1}:
                 prefetch = bring_back(tensor, prefetch)

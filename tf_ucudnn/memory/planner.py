@@ -175,16 +175,9 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                     groups.setdefault(read.name, []).append(op.name)
         return groups
 
-    def gate(index: int) -> Optional[str]:
-        """The op at `index`, or the first after it that the executor cannot run at once."""
-        while index < len(operations) and (not operations[index].inputs
-                                           or operations[index].op_def.is_stateful):
-            index += 1
-        return operations[index].name if index < len(operations) else None
-
     copied_out_before = dict(decisions.prediction.copied_out_before)
     swaps = [Swap(read, tuple(dict.fromkeys(names)), operations[decision.prefetch_after].name,
-                  gate(copied_out_before[decision.tensor]))
+                  _gate(operations, copied_out_before[decision.tensor]))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
     recomputes = [Recompute(read, tuple(dict.fromkeys(names)),
@@ -194,6 +187,14 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                   for decision in decisions.recomputes
                   for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
+
+
+def _gate(operations, index: int) -> Optional[str]:
+    """The op at `index`, or the first after it that the executor cannot run at once."""
+    while index < len(operations) and (not operations[index].inputs
+                                       or operations[index].op_def.is_stateful):
+        index += 1
+    return operations[index].name if index < len(operations) else None
 
 
 def _after_forward(operations, report: LivenessReport, op_ms) -> set:
@@ -232,18 +233,18 @@ def apply_memory_plan(function, plan: MemoryPlan):
                       "plan does not count; turn it off with tf.config.optimizer."
                       "set_experimental_options({'layout_optimizer': False})")
     graph_def = insert_recomputes(function.graph.as_graph_def(), plan.recomputes, function.graph)
-    graph_def = insert_swaps(graph_def, _with_clone_readers(graph_def, plan))
+    graph_def = insert_swaps(graph_def, _with_clone_readers(
+        graph_def, plan, function.graph.get_operations()))
     return callable_over(graph_def, function)
 
 
-def _with_clone_readers(graph_def, plan: MemoryPlan) -> list[Swap]:
+def _with_clone_readers(graph_def, plan: MemoryPlan, operations) -> list[Swap]:
     """The plan's swaps, a swapped tensor's copy back also read by the recomputations that read
     it (their clones read the original, which is off the device by then)."""
     swapped_reads = {read for d in plan.decisions.recomputes for read in d.swapped_reads}
     if not swapped_reads:
         return list(plan.swaps)
     by_tensor = {swap.tensor: swap for swap in plan.swaps}
-    ops = plan.liveness.ops
     decision = {d.tensor: d for d in plan.decisions.swaps}
     copied_out_before = dict(plan.decisions.prediction.copied_out_before)
     swaps = list(plan.swaps)
@@ -258,6 +259,6 @@ def _with_clone_readers(graph_def, plan: MemoryPlan) -> list[Swap]:
             swaps[swaps.index(own)] = dataclasses.replace(
                 own, backward_consumers=own.backward_consumers + clones)
         else:
-            swaps.append(Swap(read, clones, ops[decision[read].prefetch_after].name,
-                              ops[copied_out_before[read]].name))
+            swaps.append(Swap(read, clones, operations[decision[read].prefetch_after].name,
+                              _gate(operations, copied_out_before[read])))
     return swaps
