@@ -174,7 +174,7 @@ def main():
         # How far TensorFlow's real peak is above the liveness prediction (its allocator,
         # workspaces and execution order), measured on its own largest batch: the budgets given
         # to the planner shrink by that much.
-        scale = 1.0
+        scale, calibration_rate = 1.0, rate
         if batch:
             step = keras_training_step(model, batch)
             measured = _peak_bytes(step, batch, shape)
@@ -185,11 +185,13 @@ def main():
             if measured:
                 scale = min(1.0, predicted / measured)
             if args.fuse_batch_norm:
-                entry["tensorflow_fused_batch_norm"] = {"batch": batch, "img_per_s": _try(
-                    lambda: _images_per_second(keras_training_step(model, batch,
-                                                                   fuse_batch_norm=True),
-                                               batch, shape, args.steps))[0]}
+                fused_rate = _try(lambda: _images_per_second(
+                    keras_training_step(model, batch, fuse_batch_norm=True), batch, shape,
+                    args.steps))[0]
+                entry["tensorflow_fused_batch_norm"] = {"batch": batch, "img_per_s": fused_rate}
+                calibration_rate = fused_rate or rate
         entry["budget_scale"] = scale
+        entry["calibration_img_per_s"] = calibration_rate
         # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to
         # NHWC around the swap nodes, copies the plan does not see (5.2 GB on ResNet-50 at batch
         # 384, benchmarks/memory_trace.py): planned steps run without it.
@@ -198,8 +200,9 @@ def main():
                   for fraction in args.budget_fractions] if batch else []
         for factor, fraction in trials:
             big_batch = int(factor * batch) // args.start_batch * args.start_batch
-            # Op times calibrated by TensorFlow's own step, scaled to the batch.
-            step_ms = big_batch / rate * 1e3
+            # Op times calibrated by TensorFlow's own step (with batch normalization as the
+            # plan trains it), scaled to the batch.
+            step_ms = big_batch / calibration_rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
             trial = _with_tf_ucudnn(model, shape, big_batch, budget, device_model,
                                     args.steps, step_ms, args.fuse_batch_norm)

@@ -211,7 +211,43 @@ def test_a_recomputation_may_read_a_tensor_swapped_back_for_it():
                    prefetch_point=lambda tensor, index: index if tensor.name == "R" else -1)
     with pytest.raises(BudgetError):  # read as it is, R would have to stay
         plan_memory(op_ms, tensors, LINK, budget_bytes=210, **options)
-    plan = plan_memory(op_ms, tensors, LINK, budget_bytes=210, swappable_reads={"X": {"R"}},
+    plan = plan_memory(op_ms, tensors, LINK, budget_bytes=210, direct_reads={"X": {"R"}},
                        **options)
     assert [s.tensor for s in plan.swaps] == ["R"] and plan.swaps[0].prefetch_after < 6
     assert plan.recomputes == (x_from_r,) and plan.prediction.peak_bytes <= 210
+
+
+def _segment():
+    """X (10 B, op0) is kept for op9; A (op1, from X) for op8; B (op2, from A) for op7. C (op3)
+    and Y (150 B, op4) make the forward peak. Each op takes 1 ms; the link is too slow to swap."""
+    op_ms = [1.0] * 10
+    tensors = [TensorUse("X", 10, 0, (1, 9), (9,)), TensorUse("A", 100, 1, (2, 8), (8,)),
+               TensorUse("B", 100, 2, (3, 7), (7,)), TensorUse("C", 10, 3, (4,)),
+               TensorUse("Y", 150, 4, (5,)), TensorUse("Z", 1, 5, (6,))]
+    return op_ms, tensors
+
+
+def test_a_segment_is_recomputed_in_one_go_from_its_checkpoint():
+    op_ms, tensors = _segment()
+    slow = DeviceModel("slow", device_to_host=1e3, host_to_device=1e3)
+    assert predict(op_ms, tensors, slow).peak_bytes == 370  # X, A, B, C and Y at op4
+    # B's recomputation (before op7, at t=7) makes A on its way (1 ms for both): A is held
+    # from then until op8, B until op7. The forward peak is X, C and Y.
+    segment = [RecomputeDecision("B", 1.0), RecomputeDecision("A", 0.0, made_with="B")]
+    both = predict(op_ms, tensors, slow, recomputes=segment)
+    assert both.step_ms == pytest.approx(11.0) and both.compute_ms == pytest.approx(11.0)
+    assert both.peak_bytes == 210  # X, A and B at op7
+    with pytest.raises(ValueError, match="A: made with B"):
+        predict(op_ms, tensors, slow, recomputes=[RecomputeDecision("A", 0.0, made_with="B")])
+    with pytest.raises(ValueError, match="B: made with A"):  # A is needed after B
+        predict(op_ms, tensors, slow, recomputes=[RecomputeDecision("A", 0.5),
+                                                  RecomputeDecision("B", 0.0, made_with="A")])
+
+    # Each alone frees 100 bytes; the budget needs both. Read as it is, A is made along.
+    options = dict(recompute_ms={"A": 0.5, "B": 0.5}, recompute_reads={"A": {"X"}, "B": {"A"}})
+    plan = plan_memory(op_ms, tensors, slow, budget_bytes=215,
+                       direct_reads={"A": {"X"}, "B": {"A"}}, **options)
+    assert not plan.swaps and set(plan.recomputes) == set(segment)
+    assert plan.prediction.peak_bytes == 210 and plan.prediction.step_ms == pytest.approx(11.0)
+    with pytest.raises(BudgetError):  # read through an alias, A must stay for B's recomputation
+        plan_memory(op_ms, tensors, slow, budget_bytes=215, **options)

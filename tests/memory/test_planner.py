@@ -95,8 +95,12 @@ def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
                if op.type in ("Conv2DBackpropInput", "FusedBatchNormGradV3", "ReluGrad"))
     peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
     plan = plan_step_memory(step, int(peak * 0.8), SLOW_LINK)
-    anchors = [s.prefetch_after for s in plan.swaps] + [r.trigger for r in plan.recomputes]
+    anchors = [s.prefetch_after for s in plan.swaps] + [r.trigger for r in plan.recomputes
+                                                         if r.trigger is not None]
     assert anchors and all(anchor in after for anchor in anchors)
+    # A recomputation without a trigger of its own is made on the way of one with a trigger.
+    chained = {name for r in plan.recomputes if r.trigger is not None for name in r.chain}
+    assert all(r.producer in chained for r in plan.recomputes if r.trigger is None)
 
 
 def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_results():
@@ -139,3 +143,29 @@ def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_result
     assert any(CLONE in node.name and any(name.endswith(swap_in) for name in node.input)
                for node in nodes), "the clone should read the copy swapped back in"
     assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
+
+
+def test_a_segment_recomputed_in_one_go_gives_the_same_results():
+    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
+    from training_steps import gradient_step
+
+    tf.keras.utils.set_random_seed(5)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([tf.keras.Input((32, 32, 3))] + [
+        layer for _ in range(4) for layer in (layers.Conv2D(16, 3, padding="same"),
+                                              layers.BatchNormalization(), layers.ReLU())] + [
+        layers.GlobalAveragePooling2D(), layers.Dense(2)])
+    with fused_batch_norm(model):
+        step = gradient_step(model, 8)
+    peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
+    plan = plan_step_memory(step, int(peak * 0.6), SLOW_LINK)
+    along = [d for d in plan.decisions.recomputes if d.made_with]
+    assert along and plan.decisions.prediction.peak_bytes <= int(peak * 0.6)
+    # What a recomputation makes on its way is in its chain, and is not made again.
+    for decision in along:
+        producer = decision.tensor.rsplit(":", 1)[0]
+        owner = next(r for r in plan.recomputes if r.tensor == decision.made_with)
+        assert producer in owner.chain
+        assert all(r.chain == () and r.trigger is None
+                   for r in plan.recomputes if r.tensor == decision.tensor)
+    assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)

@@ -127,3 +127,32 @@ def test_recomputations_whose_chains_meet_clone_their_own_and_make_no_cycle():
             got = session.run(e2, {"import/x:0": values})
     r = np.maximum(values - 0.5, 0)
     np.testing.assert_allclose(got, np.sin(2 * r) + 3 * r, rtol=1e-6)
+
+
+def test_a_tensor_made_on_an_earlier_chain_is_not_made_again():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+        a = tf.nn.relu(x - 0.5, name="a")
+        b = tf.multiply(a, 2.0, name="b")
+        e1 = tf.sin(b, name="e1")
+        tf.add(e1, tf.multiply(a, 3.0, name="a3"), name="e2")
+    # b is needed first: its chain makes a again, and a's readers (needed later) read that
+    # clone; a chain after them reads it too instead of the original.
+    recomputes = [Recompute("b:0", ("e1",), trigger="x", chain=("a",)),
+                  Recompute("a:0", ("a3",)),
+                  Recompute("a3:0", ("e2",), trigger="e1")]
+    graph_def = insert_recomputes(graph.as_graph_def(), recomputes, graph)
+    nodes = {node.name: node for node in graph_def.node}
+    assert [name for name in nodes if name.startswith("a/")] == ["a/ucudnn_recompute"]
+    assert nodes["b/ucudnn_recompute"].input[0] == "a/ucudnn_recompute"
+    assert nodes["a3"].input[0] == "a/ucudnn_recompute"
+    assert nodes["a3/ucudnn_recompute"].input[0] == "a/ucudnn_recompute"
+    assert "^e1" in nodes["a3/ucudnn_recompute"].input  # read a clone made earlier: still waits
+    with tf.Graph().as_default():
+        e2, = tf.graph_util.import_graph_def(graph_def, return_elements=["e2:0"])
+        with tf.compat.v1.Session() as session:
+            values = np.array([-1.0, 0.25, 1.0, 2.0], np.float32)
+            got = session.run(e2, {"import/x:0": values})
+    a = np.maximum(values - 0.5, 0)
+    np.testing.assert_allclose(got, np.sin(2 * a) + 3 * a, rtol=1e-6)

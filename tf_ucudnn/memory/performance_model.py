@@ -161,8 +161,11 @@ class SwapDecision:
 @dataclasses.dataclass(frozen=True)
 class RecomputeDecision:
     tensor: str
-    cost_ms: float  # the time of the ops that recompute it
+    cost_ms: float  # the time of the ops that recompute it, and the tensors it makes on its way
     swapped_reads: tuple[str, ...] = ()  # swapped tensors it reads: back before it runs
+    # The recomputed tensor whose recomputation makes this one on its way (a checkpointed
+    # segment made again in one go): this one then costs nothing and is held from then on.
+    made_with: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +193,24 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     """Step time and peak memory of the ops (in execution order) with these decisions."""
     by_name = {tensor.name: tensor for tensor in tensors}
     recomputed_before: dict[int, list[RecomputeDecision]] = {}
+    made_with = {}
     for decision in recomputes:
         tensor = by_name.get(decision.tensor)
         if tensor is None or not tensor.backward_consumers:
             raise ValueError(f"{decision.tensor}: not a tensor kept for the backward pass")
         if decision.tensor in {swap.tensor for swap in swaps}:
             raise ValueError(f"{decision.tensor}: both swapped and recomputed")
-        recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
+        if decision.made_with is None:
+            recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
+        else:
+            made_with[decision.tensor] = decision.made_with
+    for name, owner in made_with.items():
+        maker = by_name.get(owner)
+        if owner in made_with or maker is None or owner not in \
+                {d.tensor for d in recomputes} or \
+                maker.backward_consumers[0] > by_name[name].backward_consumers[0]:
+            raise ValueError(f"{name}: made with {owner}, which must be a tensor recomputed on "
+                             "its own, no later than this one is needed")
     due = _due(by_name, recomputes)
     chosen = {}
     for swap in swaps:
@@ -255,6 +269,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
             transfer += copy
     start = prefix[:-1] + np.cumsum(delay)
     end = start + durations
+    for name, owner in made_with.items():
+        recomputed_at[name] = recomputed_at[owner]
 
     plain = [t for t in tensors if t.name not in chosen and t.name not in recomputed_at]
     producers = np.array([t.producer for t in plain], dtype=int)
@@ -352,7 +368,7 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
                 recompute_reads: Optional[Mapping[str, Collection[str]]] = None,
-                swappable_reads: Optional[Mapping[str, Collection[str]]] = None,
+                direct_reads: Optional[Mapping[str, Collection[str]]] = None,
                 candidates: Optional[Collection[str]] = None,
                 prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
                 candidates_per_round: int = 8) -> MemoryDecisions:
@@ -362,31 +378,34 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     choices that lower the peak (swapping with the latest prefetch that hides the copy, or with
     the latest prefetch of all; recomputing where `recompute_ms` gives its cost; bringing an
     already swapped tensor back later, or recomputing one whose copy out has not ended by the
-    peak), the one that costs the least predicted step time per byte it frees. A recomputation
-    reads the original tensors named in `recompute_reads`, which therefore stay on the device:
-    once it is chosen they are neither swapped nor recomputed, and it is not chosen when one of
-    them already is; those named in `swappable_reads` may instead be swapped, and come back
-    in time for the recomputation. The greedy choice starts twice, from no decisions and from
-    SuperNeurons' (every tensor recomputed that is cheaper to make again than to copy back in);
-    the plan that fits with the shorter predicted step wins. Raises BudgetError, saying by how
-    much the budget is missed (the smaller shortfall of the two), when no kept tensor alive at
-    the peak is left to choose. `candidates` limits the choice to these tensors (default: every
-    kept tensor of nonzero size); `prefetch_point(tensor, index)` moves a proposed prefetch op to
-    one the graph can use (or before the tensor's last forward use, if there is none).
+    peak), the one that costs the least predicted step time per byte it frees.
+
+    A recomputation reads the tensors named in `recompute_reads`. Those it reads through an
+    alias stay on the device. Those named in `direct_reads` (read as they are) may instead be
+    swapped, and come back in time for it, or be recomputed too: then the first recomputation
+    to need one makes it on its way and keeps it for its own readers (SuperNeurons' segments,
+    recomputed from a checkpoint in one go).
+
+    The greedy choice starts twice, from no decisions and from SuperNeurons' (every tensor
+    recomputed that is cheaper to make again than to copy back in); the plan that fits with the
+    shorter predicted step wins. Raises BudgetError, saying by how much the budget is missed
+    (the smaller shortfall of the two), when no kept tensor alive at the peak is left to choose.
+    `candidates` limits the choice to these tensors (default: every kept tensor of nonzero
+    size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use
+    (or before the tensor's last forward use, if there is none).
     """
-    recompute_ms = recompute_ms or {}
-    recompute_reads = recompute_reads or {}
-    swappable_reads = swappable_reads or {}
+    recomputing = _Recomputing({t.name: t for t in tensors}, recompute_ms or {},
+                               recompute_reads or {}, direct_reads or {})
     starts = [[]]
-    cheap = _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates)
+    cheap = _cheaper_than_a_swap_in(tensors, model, recomputing, candidates)
     if cheap:
         starts.append(cheap)
     plans, errors = [], []
-    for recomputes in starts:
+    for recomputed in starts:
         try:
             plans.append(_greedy(op_ms, tensors, model, budget_bytes, persistent_bytes,
-                                 recompute_ms, recompute_reads, swappable_reads, candidates,
-                                 prefetch_point, candidates_per_round, recomputes))
+                                 recomputing, candidates, prefetch_point, candidates_per_round,
+                                 recomputed))
         except BudgetError as error:
             errors.append(error)
     if plans:
@@ -394,69 +413,106 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     raise min(errors, key=lambda error: error.shortfall_bytes)
 
 
-def _cheaper_than_a_swap_in(tensors, model, recompute_ms, recompute_reads, candidates):
+@dataclasses.dataclass(frozen=True)
+class _Recomputing:
+    """What the planner knows of each tensor's recomputation, and how a set of them combine."""
+
+    by_name: Mapping[str, TensorUse]
+    cost_ms: Mapping[str, float]
+    reads: Mapping[str, Collection[str]]
+    direct_reads: Mapping[str, Collection[str]]
+
+    def decisions(self, recomputed: Collection[str], swapped: Collection[str]):
+        """The recomputations of `recomputed` in the order they run, each with its cost, the
+        swapped tensors it reads and the one it is made with; and the tensors they read that
+        must stay on the device. None if they cannot be made together: a tensor read through
+        an alias is swapped or recomputed."""
+        chosen = set(recomputed)
+        order = sorted(chosen, key=lambda n: (self.by_name[n].backward_consumers[0],
+                                               self.by_name[n].producer))
+        made_with: dict[str, str] = {}
+        decisions, pinned = [], set()
+        for name in order:
+            if name in made_with:
+                decisions.append(RecomputeDecision(name, 0.0, made_with=made_with[name]))
+                continue
+            cost, held, making = 0.0, set(), [name]
+            while making:
+                current = making.pop()
+                cost += self.cost_ms[current]
+                direct = self.direct_reads.get(current, ())
+                for read in self.reads.get(current, ()):
+                    if read not in direct and (read in chosen or read in swapped):
+                        return None
+                    if read not in chosen:
+                        held.add(read)
+                        if read not in direct:
+                            pinned.add(read)
+                    elif read not in made_with and order.index(read) > order.index(name):
+                        made_with[read] = name
+                        making.append(read)
+            decisions.append(RecomputeDecision(name, cost, tuple(sorted(held & set(swapped)))))
+        return decisions, pinned
+
+    def read_by(self, decisions) -> set:
+        """The tensors the chosen recomputations read, made along or not."""
+        return {read for d in decisions for read in self.reads.get(d.tensor, ())}
+
+
+def _cheaper_than_a_swap_in(tensors, model, recomputing: _Recomputing, candidates) -> list[str]:
     """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
     it back in (activations and normalizations; on an H100 over PCIe, convolution outputs too),
     largest first, unless what it reads is itself recomputed."""
-    chosen, chosen_names, pinned = [], set(), set()
+    chosen, pinned = [], set()
     for tensor in sorted(tensors, key=lambda t: -t.bytes):
-        cost = recompute_ms.get(tensor.name)
-        reads = set(recompute_reads.get(tensor.name, ()))
+        cost = recomputing.cost_ms.get(tensor.name)
+        reads = set(recomputing.reads.get(tensor.name, ()))
         if cost is None or not tensor.bytes or tensor.name in pinned or \
                 (candidates is not None and tensor.name not in candidates) or \
-                cost >= tensor.bytes / model.host_to_device * 1e3 or \
-                reads & chosen_names:
+                cost >= tensor.bytes / model.host_to_device * 1e3 or reads & set(chosen):
             continue
-        chosen.append(RecomputeDecision(tensor.name, cost))
-        chosen_names.add(tensor.name)
+        chosen.append(tensor.name)
         pinned |= reads
     return chosen
 
 
-def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms, recompute_reads,
-            swappable_reads, candidates, prefetch_point, candidates_per_round,
-            recomputes: list[RecomputeDecision]) -> MemoryDecisions:
-    by_name = {t.name: t for t in tensors}
+def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: _Recomputing,
+            candidates, prefetch_point, candidates_per_round,
+            recomputed: list[str]) -> MemoryDecisions:
+    by_name = recomputing.by_name
 
-    def outcome(swaps, recomputes):
-        """The prediction, each recomputation told which of its reads come back from the host
-        (and those swaps brought back in time for it)."""
-        swapped = {d.tensor for d in swaps}
-        recomputes = [RecomputeDecision(d.tensor, d.cost_ms, tuple(sorted(
-            swapped.intersection(swappable_reads.get(d.tensor, ()))))) for d in recomputes]
-        due = _due(by_name, recomputes)
+    def outcome(swaps, recomputed):
+        """The prediction with these swaps and recomputations, and the decisions as made (the
+        swaps a recomputation reads brought back in time for it); None if they cannot be."""
+        made = recomputing.decisions(recomputed, {d.tensor for d in swaps})
+        if made is None:
+            return None
+        decisions = made[0]
+        due = _due(by_name, decisions)
         swaps = [d if d.prefetch_after < _needed_by(by_name[d.tensor], due)
                  else SwapDecision(d.tensor, bring_back(by_name[d.tensor], due[d.tensor] - 1))
                  for d in swaps]
         if any(d.prefetch_after < by_name[d.tensor].last_forward_use for d in swaps):
             return None
-        return predict(op_ms, tensors, model, swaps, persistent_bytes, recomputes), swaps, \
-            recomputes
+        return (predict(op_ms, tensors, model, swaps, persistent_bytes, decisions), swaps,
+                recomputed, made[1])
 
     def bring_back(tensor, index):
         return prefetch_point(tensor, index) if prefetch_point is not None else index
 
-    prediction, swaps, recomputes = outcome([], recomputes)
+    first = outcome([], recomputed)
+    if first is None:
+        raise ValueError("the recomputations to start from cannot be made together")
+    prediction, swaps, recomputed, pinned = first
     while prediction.peak_bytes > budget_bytes:
         swapped = {d.tensor for d in swaps}
-        recomputed = {d.tensor for d in recomputes}
-        due = _due(by_name, recomputes)
-        # What a chosen recomputation reads stays on the device, unless it may come back from
-        # the host; either way it is not recomputed itself.
-        read = {name for d in recomputes for name in recompute_reads.get(d.tensor, ())}
-        pinned = {name for d in recomputes for name in recompute_reads.get(d.tensor, ())
-                  if name not in swappable_reads.get(d.tensor, ())}
+        due = _due(by_name, recomputing.decisions(recomputed, swapped)[0])
         alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
                         and (candidates is None or t.name in candidates)
-                        and t.name not in swapped | recomputed | pinned
+                        and t.name not in swapped and t.name not in recomputed
+                        and t.name not in pinned
                         and t.producer <= prediction.peak_op <= t.consumers[-1]),
                        key=lambda t: -t.bytes)[:candidates_per_round]
-
-        def may_recompute(name):
-            reads = set(recompute_reads.get(name, ()))
-            return (name in recompute_ms and name not in read and not reads & recomputed
-                    and not (reads - set(swappable_reads.get(name, ()))) & swapped)
-
         options = []
         for i, decision in enumerate(swaps):
             tensor = by_name[decision.tensor]
@@ -466,13 +522,12 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
                 later = bring_back(tensor, first_use - 1)
                 if later > decision.prefetch_after:
                     options.append(([*swaps[:i], *swaps[i + 1:], SwapDecision(tensor.name, later)],
-                                    recomputes))
+                                    recomputed))
             # One still on the device at the peak, its copy out not done (the forward pass makes
             # tensors faster than the link drains them), may be recomputed instead.
-            if tensor.producer <= prediction.peak_op < first_use and may_recompute(tensor.name):
-                options.append(([*swaps[:i], *swaps[i + 1:]],
-                                [*recomputes, RecomputeDecision(tensor.name,
-                                                                recompute_ms[tensor.name])]))
+            if tensor.producer <= prediction.peak_op < first_use and \
+                    tensor.name in recomputing.cost_ms:
+                options.append(([*swaps[:i], *swaps[i + 1:]], [*recomputed, tensor.name]))
         if not alive and not options:
             raise BudgetError(budget_bytes, prediction)
         for tensor in alive:
@@ -482,10 +537,9 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
                 prefetch = bring_back(tensor, prefetch)
                 if prefetch < tensor.last_forward_use:
                     continue  # no op the graph can use between its forward and backward uses
-                options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputes))
-            if may_recompute(tensor.name):
-                options.append((swaps, [*recomputes,
-                                        RecomputeDecision(tensor.name, recompute_ms[tensor.name])]))
+                options.append(([*swaps, SwapDecision(tensor.name, prefetch)], recomputed))
+            if tensor.name in recomputing.cost_ms:
+                options.append((swaps, [*recomputed, tensor.name]))
         outcomes = [o for o in (outcome(s, r) for s, r in options) if o is not None]
         if not outcomes:
             raise BudgetError(budget_bytes, prediction)
@@ -499,16 +553,17 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recompute_ms,
         # Swaps that each lower the peak at no cost are taken together, if together they still
         # cost nothing: one round instead of one each, when many transfers hide.
         free = {o[1][-1].tensor: o[1][-1] for o in outcomes
-                if len(o[1]) > len(swaps) and len(o[2]) == len(recomputes)  # new swaps only
+                if len(o[1]) > len(swaps) and len(o[2]) == len(recomputed)  # new swaps only
                 and o[0].peak_bytes < prediction.peak_bytes
                 and o[0].step_ms <= prediction.step_ms + 1e-9}
         if len(free) > 1:
-            together = outcome([*swaps, *free.values()], recomputes)
+            together = outcome([*swaps, *free.values()], recomputed)
             if together is not None and together[0].step_ms <= prediction.step_ms + 1e-9 and \
                     together[0].peak_bytes < best[0].peak_bytes:
                 best = together
-        prediction, swaps, recomputes = best
-    return MemoryDecisions(tuple(swaps), tuple(recomputes), prediction)
+        prediction, swaps, recomputed, pinned = best
+    decisions = recomputing.decisions(recomputed, {d.tensor for d in swaps})[0]
+    return MemoryDecisions(tuple(swaps), tuple(decisions), prediction)
 
 
 class BudgetError(ValueError):

@@ -73,7 +73,8 @@ class RecomputeChain(NamedTuple):
     cost_ms: float
     ops: tuple[str, ...]  # before the producer, in execution order
     reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
-    direct_reads: frozenset  # those it reads as they are, not through an alias: or be swapped
+    # Those it reads as they are only, never through an alias: or be swapped, or made again too.
+    direct_reads: frozenset
 
 
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
@@ -96,7 +97,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             return (buffer is None or buffer.bytes == 0  # variables, constants, resources
                     or max(buffer.consumers, default=buffer.producer) >= first_backward)
 
-        chain, reads, direct, frontier, ok = [], set(), set(), [operations[tensor.producer]], True
+        chain, reads, aliased, frontier, ok = [], set(), set(), [operations[tensor.producer]], True
         while frontier and ok:
             op = frontier.pop()
             if op.name in chain:
@@ -107,13 +108,14 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             chain.append(op.name)
             frontier += [read.op for read in op.inputs if not held(read)]
             reads.update(_buffer(read) for read in op.inputs if held(read))
-            direct.update(read.name for read in op.inputs if held(read))
+            aliased.update(_buffer(read) for read in op.inputs
+                           if held(read) and _buffer(read) != read.name)
         if ok:
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
             reads &= set(by_name)
             chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]), frozenset(reads),
-                                                 frozenset(reads & direct))
+                                                 frozenset(reads - aliased))
     return chains
 
 
@@ -158,8 +160,8 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                             persistent_bytes=report.persistent_bytes,
                             recompute_ms={name: chain.cost_ms for name, chain in chains.items()},
                             recompute_reads={name: chain.reads for name, chain in chains.items()},
-                            swappable_reads={name: chain.direct_reads
-                                             for name, chain in chains.items()},
+                            direct_reads={name: chain.direct_reads
+                                          for name, chain in chains.items()},
                             candidates={t.name for t in report.kept()},
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
@@ -180,12 +182,22 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                   _gate(operations, copied_out_before[decision.tensor]))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
-    recomputes = [Recompute(read, tuple(dict.fromkeys(names)),
-                            operations[anchored(by_name[decision.tensor].backward_consumers[0] - 1,
-                                                by_name[decision.tensor].backward_consumers)].name,
-                            chains[decision.tensor].ops)
-                  for decision in decisions.recomputes
-                  for read, names in readers(decision.tensor).items()]
+    index = {op.name: i for i, op in enumerate(operations)}
+    recomputes = []
+    for decision in decisions.recomputes:  # in the order they run: made along before their own
+        tensor = by_name[decision.tensor]
+        if decision.made_with is None:
+            chain = set(chains[decision.tensor].ops)
+            for along in decisions.recomputes:
+                if along.made_with == decision.tensor:
+                    chain |= {*chains[along.tensor].ops, operations[by_name[along.tensor].producer].name}
+            trigger = operations[anchored(tensor.backward_consumers[0] - 1,
+                                          tensor.backward_consumers)].name
+            chain = tuple(sorted(chain, key=index.get))
+        else:
+            trigger, chain = None, ()
+        recomputes += [Recompute(read, tuple(dict.fromkeys(names)), trigger, chain)
+                       for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
 
 

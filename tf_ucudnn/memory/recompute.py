@@ -60,20 +60,32 @@ def recomputable(op: tf.Operation) -> Optional[str]:
 def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recompute],
                       graph: Optional[tf.Graph] = None) -> graph_pb2.GraphDef:
     """A copy of `graph_def` (its main graph) with the recomputations made. `graph`, the graph
-    `graph_def` came from, tells which ops are stateful (else the GraphDef is imported)."""
+    `graph_def` came from, tells which ops are stateful (else the GraphDef is imported).
+
+    They are made in the order given, which must be the order they run in: a recomputed tensor
+    whose producer an earlier chain made again on its way is not made again, and a later chain
+    reads the recomputed tensors made before it rather than the originals (which would then stay
+    alive for it)."""
     graph = graph_of(graph_def, graph)
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
     taken = set(nodes)
+    producers = {recompute.producer for recompute in recomputes}
+    recomputed = {f"{r.producer}:{r.output_index}" for r in recomputes}
+    made: dict[str, str] = {}  # the producer of a recomputed tensor -> its first clone
     for recompute in recomputes:
         if recompute.trigger is not None and recompute.trigger not in nodes:
             raise RecomputeError(f"{recompute.tensor}: the trigger names no node "
                                  f"({recompute.trigger!r})")
         # Each recomputation clones its own chain: a clone shared with another one would wait
         # for that one's trigger, which may come after this one's readers, closing a cycle.
+        # Only recomputed tensors are shared, with the recomputations after them in order.
         clones: dict[str, str] = {}  # original op -> its clone
         for name in (*recompute.chain, recompute.producer):
+            if name == recompute.producer and name in made:
+                clones[name] = made[name]  # made on an earlier recomputation's way
+                continue
             original = nodes.get(name)
             if original is None:
                 raise RecomputeError(f"{recompute.tensor}: no node {name!r}")
@@ -86,15 +98,19 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
             reads_a_clone = False
             for i, text in enumerate(clone.input):
                 source, _, index = text.lstrip("^").partition(":")
-                if source in clones:
-                    clone.input[i] = ("^" if text.startswith("^") else "") + clones[source] + \
-                        (f":{index}" if index else "")
-                    reads_a_clone = True
+                remade = (made.get(source) if not text.startswith("^")
+                          and f"{source}:{index or 0}" in recomputed else None)
+                if source in clones or remade:
+                    clone.input[i] = ("^" if text.startswith("^") else "") + \
+                        clones.get(source, remade) + (f":{index}" if index else "")
+                    reads_a_clone |= source in clones
             if recompute.trigger is not None and not reads_a_clone:
                 clone.input.append(f"^{recompute.trigger}")  # the chain starts no earlier
                 protect(nodes[recompute.trigger])
             protect(clone)
             clones[name] = clone.name
+            if name in producers:
+                made.setdefault(name, clone.name)
         index = recompute.output_index
         producer_clone = clones[recompute.producer]
         rewire(nodes, recompute, producer_clone if index == 0 else f"{producer_clone}:{index}",
