@@ -1,5 +1,7 @@
 """The performance model on small steps worked out by hand (times in ms, sizes in bytes)."""
 
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
@@ -237,6 +239,9 @@ def test_a_segment_is_recomputed_in_one_go_from_its_checkpoint():
     both = predict(op_ms, tensors, slow, recomputes=segment)
     assert both.step_ms == pytest.approx(11.0) and both.compute_ms == pytest.approx(11.0)
     assert both.peak_bytes == 210  # X, A and B at op7
+    # A 50-byte tensor made on the way and freed at once is held while the recomputation runs.
+    transient = [dataclasses.replace(segment[0], transient_bytes=50), segment[1]]
+    assert predict(op_ms, tensors, slow, recomputes=transient).peak_bytes == 260
     with pytest.raises(ValueError, match="A: made with B"):
         predict(op_ms, tensors, slow, recomputes=[RecomputeDecision("A", 0.0, made_with="B")])
     with pytest.raises(ValueError, match="B: made with A"):  # A is needed after B

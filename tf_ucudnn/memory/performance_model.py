@@ -166,6 +166,8 @@ class RecomputeDecision:
     # The recomputed tensor whose recomputation makes this one on its way (a checkpointed
     # segment made again in one go): this one then costs nothing and is held from then on.
     made_with: Optional[str] = None
+    # The largest tensor its ops make on the way that nobody keeps: held while they run.
+    transient_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +274,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     for name, owner in made_with.items():
         recomputed_at[name] = recomputed_at[owner]
 
+    transient = {d.tensor: (d.transient_bytes, d.cost_ms) for d in recomputes
+                 if d.transient_bytes}
     plain = [t for t in tensors if t.name not in chosen and t.name not in recomputed_at]
     producers = np.array([t.producer for t in plain], dtype=int)
     lasts = np.array([max(t.consumers, default=t.producer) for t in plain], dtype=int)
@@ -287,6 +291,10 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         elif tensor.name in recomputed_at:
             pieces = [(start[tensor.producer], end[tensor.last_forward_use]),
                       (recomputed_at[tensor.name], end[last])]
+            if transient.get(tensor.name):
+                starts.append(np.array([recomputed_at[tensor.name]]))
+                ends.append(np.array([recomputed_at[tensor.name] + transient[tensor.name][1]]))
+                sizes.append(np.array([transient[tensor.name][0]], dtype=np.int64))
         else:
             continue
         for begin, finish in pieces:
@@ -369,6 +377,7 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                 recompute_ms: Optional[Mapping[str, float]] = None,
                 recompute_reads: Optional[Mapping[str, Collection[str]]] = None,
                 direct_reads: Optional[Mapping[str, Collection[str]]] = None,
+                transient_bytes: Optional[Mapping[str, int]] = None,
                 candidates: Optional[Collection[str]] = None,
                 prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
                 candidates_per_round: int = 8) -> MemoryDecisions:
@@ -385,6 +394,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     swapped, and come back in time for it, or be recomputed too: then the first recomputation
     to need one makes it on its way and keeps it for its own readers (SuperNeurons' segments,
     recomputed from a checkpoint in one go).
+    `transient_bytes` gives the largest tensor a recomputation's ops make on the way that
+    nobody keeps, held while it runs.
 
     The greedy choice starts twice, from no decisions and from SuperNeurons' (every tensor
     recomputed that is cheaper to make again than to copy back in); the plan that fits with the
@@ -395,7 +406,7 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     (or before the tensor's last forward use, if there is none).
     """
     recomputing = _Recomputing({t.name: t for t in tensors}, recompute_ms or {},
-                               recompute_reads or {}, direct_reads or {})
+                               recompute_reads or {}, direct_reads or {}, transient_bytes or {})
     starts = [[]]
     cheap = _cheaper_than_a_swap_in(tensors, model, recomputing, candidates)
     if cheap:
@@ -421,6 +432,7 @@ class _Recomputing:
     cost_ms: Mapping[str, float]
     reads: Mapping[str, Collection[str]]
     direct_reads: Mapping[str, Collection[str]]
+    transient_bytes: Mapping[str, int]
 
     def decisions(self, recomputed: Collection[str], swapped: Collection[str]):
         """The recomputations of `recomputed` in the order they run, each with its cost, the
@@ -436,10 +448,11 @@ class _Recomputing:
             if name in made_with:
                 decisions.append(RecomputeDecision(name, 0.0, made_with=made_with[name]))
                 continue
-            cost, held, making = 0.0, set(), [name]
+            cost, transient, held, making = 0.0, 0, set(), [name]
             while making:
                 current = making.pop()
                 cost += self.cost_ms[current]
+                transient = max(transient, self.transient_bytes.get(current, 0))
                 direct = self.direct_reads.get(current, ())
                 for read in self.reads.get(current, ()):
                     if read not in direct and (read in chosen or read in swapped):
@@ -451,7 +464,8 @@ class _Recomputing:
                     elif read not in made_with and order.index(read) > order.index(name):
                         made_with[read] = name
                         making.append(read)
-            decisions.append(RecomputeDecision(name, cost, tuple(sorted(held & set(swapped)))))
+            decisions.append(RecomputeDecision(name, cost, tuple(sorted(held & set(swapped))),
+                                               transient_bytes=transient))
         return decisions, pinned
 
     def read_by(self, decisions) -> set:

@@ -17,7 +17,12 @@ import tensorflow as tf
 
 from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.memory.liveness import ALIASING_OPS, LivenessReport, analyze
-from tf_ucudnn.memory.performance_model import DeviceModel, MemoryDecisions, plan_memory
+from tf_ucudnn.memory.performance_model import (
+    DeviceModel,
+    MemoryDecisions,
+    plan_memory,
+    tensor_bytes,
+)
 from tf_ucudnn.memory.recompute import CLONE, Recompute, insert_recomputes, recomputable
 from tf_ucudnn.memory.swap import Swap, insert_swaps
 
@@ -75,6 +80,7 @@ class RecomputeChain(NamedTuple):
     reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
     # Those it reads as they are only, never through an alias: or be swapped, or made again too.
     direct_reads: frozenset
+    transient_bytes: int  # the largest output of its ops before the producer
 
 
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
@@ -114,8 +120,10 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
             reads &= set(by_name)
+            transient = max((tensor_bytes(t) or 0 for name in ordered[:-1]
+                             for t in operations[index[name]].outputs), default=0)
             chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]), frozenset(reads),
-                                                 frozenset(reads - aliased))
+                                                 frozenset(reads - aliased), transient)
     return chains
 
 
@@ -162,6 +170,8 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                             recompute_reads={name: chain.reads for name, chain in chains.items()},
                             direct_reads={name: chain.direct_reads
                                           for name, chain in chains.items()},
+                            transient_bytes={name: chain.transient_bytes
+                                             for name, chain in chains.items()},
                             candidates={t.name for t in report.kept()},
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
