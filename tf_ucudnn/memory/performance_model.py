@@ -15,6 +15,7 @@ which the compute stream runs just before the tensor's first backward use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
@@ -146,7 +147,7 @@ class TensorUse:
         if not set(self.backward_consumers) <= set(self.consumers):
             raise ValueError(f"{self.name}: backward consumers must be among its consumers")
 
-    @property
+    @functools.cached_property
     def last_forward_use(self) -> int:
         forward = [c for c in self.consumers if c not in self.backward_consumers]
         return max(forward, default=self.producer)
@@ -193,7 +194,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
             swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
             recomputes: Sequence[RecomputeDecision] = ()) -> Prediction:
     """Step time and peak memory of the ops (in execution order) with these decisions."""
-    by_name = {tensor.name: tensor for tensor in tensors}
+    table = _TensorTable.of(tensors)
+    by_name = table.by_name
     recomputed_before: dict[int, list[RecomputeDecision]] = {}
     made_with = {}
     for decision in recomputes:
@@ -276,32 +278,27 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
 
     transient = {d.tensor: (d.transient_bytes, d.cost_ms) for d in recomputes
                  if d.transient_bytes}
-    plain = [t for t in tensors if t.name not in chosen and t.name not in recomputed_at]
-    producers = np.array([t.producer for t in plain], dtype=int)
-    lasts = np.array([max(t.consumers, default=t.producer) for t in plain], dtype=int)
-    starts, ends = [start[producers]], [end[lasts]]
-    sizes = [np.array([t.bytes for t in plain], dtype=np.int64)]
-    for tensor in tensors:
-        last = max(tensor.consumers, default=tensor.producer)
+    plain = np.ones(len(tensors), dtype=bool)
+    plain[[table.index[name] for name in (*chosen, *recomputed_at)]] = False
+    pieces = []  # (start, end, bytes) of the tensors held in two spans, or briefly
+    for tensor in (by_name[name] for name in (*chosen, *recomputed_at)):
+        last = table.lasts[table.index[tensor.name]]
         if tensor.name in chosen:
             last = max(last, due.get(tensor.name, last))
-            pieces = [(start[tensor.producer],
-                       max(end[tensor.last_forward_use], out_done[tensor.name])),
-                      (in_start[tensor.name], end[last])]
-        elif tensor.name in recomputed_at:
-            pieces = [(start[tensor.producer], end[tensor.last_forward_use]),
-                      (recomputed_at[tensor.name], end[last])]
-            if transient.get(tensor.name):
-                starts.append(np.array([recomputed_at[tensor.name]]))
-                ends.append(np.array([recomputed_at[tensor.name] + transient[tensor.name][1]]))
-                sizes.append(np.array([transient[tensor.name][0]], dtype=np.int64))
+            pieces += [(start[tensor.producer],
+                        max(end[tensor.last_forward_use], out_done[tensor.name]), tensor.bytes),
+                       (in_start[tensor.name], end[last], tensor.bytes)]
         else:
-            continue
-        for begin, finish in pieces:
-            starts.append(np.array([begin]))
-            ends.append(np.array([finish]))
-            sizes.append(np.array([tensor.bytes], dtype=np.int64))
-    peak, peak_time = _peak(np.concatenate(starts), np.concatenate(ends), np.concatenate(sizes))
+            made_at = recomputed_at[tensor.name]
+            pieces += [(start[tensor.producer], end[tensor.last_forward_use], tensor.bytes),
+                       (made_at, end[last], tensor.bytes)]
+            if tensor.name in transient:
+                size, duration = transient[tensor.name]
+                pieces.append((made_at, made_at + duration, size))
+    spans = np.array(pieces, dtype=float).reshape(-1, 3)
+    peak, peak_time = _peak(np.concatenate([start[table.producers[plain]], spans[:, 0]]),
+                            np.concatenate([end[table.lasts[plain]], spans[:, 1]]),
+                            np.concatenate([table.sizes[plain], spans[:, 2].astype(np.int64)]))
     running = np.nonzero((start <= peak_time) & (peak_time < end))[0]
     peak_op = int(running[0]) if len(running) else len(durations) - 1
     compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
@@ -312,6 +309,34 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     return Prediction(step_ms=float(end[-1]) if len(end) else 0.0, compute_ms=compute,
                       peak_bytes=peak + persistent_bytes, peak_op=peak_op,
                       transfer_ms=transfer, copied_out_before=copied_out_before)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorTable:
+    """The tensors' names, producers, last readers and sizes, as arrays: made once per list of
+    tensors, as the planner predicts for many decisions over the same ones."""
+
+    tensors: Sequence[TensorUse]
+    by_name: Mapping[str, TensorUse]
+    index: Mapping[str, int]
+    producers: np.ndarray
+    lasts: np.ndarray
+    sizes: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Sequence[TensorUse]) -> "_TensorTable":
+        global _last_table
+        if _last_table is not None and _last_table.tensors is tensors:
+            return _last_table
+        _last_table = cls(tensors, {t.name: t for t in tensors},
+                    {t.name: i for i, t in enumerate(tensors)},
+                    np.array([t.producer for t in tensors], dtype=int),
+                    np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
+                    np.array([t.bytes for t in tensors], dtype=np.int64))
+        return _last_table
+
+
+_last_table: Optional[_TensorTable] = None  # the planner's tensors, predicted over and over
 
 
 def _needed_by(tensor: TensorUse, due: Mapping[str, int]) -> int:

@@ -80,7 +80,7 @@ class RecomputeChain(NamedTuple):
     reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
     # Those it reads as they are only, never through an alias: or be swapped, or made again too.
     direct_reads: frozenset
-    transient_bytes: int  # the largest output of its ops before the producer
+    transient_bytes: int  # the largest output of its ops before the producer, not overwritten
 
 
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
@@ -120,8 +120,10 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
             reads &= set(by_name)
+            in_chain = set(ordered)
             transient = max((tensor_bytes(t) or 0 for name in ordered[:-1]
-                             for t in operations[index[name]].outputs), default=0)
+                             for t in operations[index[name]].outputs
+                             if not _written_over(t, in_chain)), default=0)
             chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]), frozenset(reads),
                                                  frozenset(reads - aliased), transient)
     return chains
@@ -209,6 +211,22 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
         recomputes += [Recompute(read, tuple(dict.fromkeys(names)), trigger, chain)
                        for read, names in readers(decision.tensor).items()]
     return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
+
+
+# Element-wise kernels that write their output over an input nobody else reads (TensorFlow's
+# buffer forwarding), so that the input costs no memory of its own.
+_IN_PLACE = {"Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "BiasAdd", "Add", "AddV2", "Mul",
+             "Sub", "Sigmoid", "Tanh"}
+
+
+def _written_over(tensor: tf.Tensor, in_chain: set) -> bool:
+    """Whether the chain's only reader of `tensor` writes its output over it: over one input
+    the chain makes (of an addition of two, the other is held), the same shape as its output."""
+    readers = [op for op in tensor.consumers() if op.name in in_chain]
+    if len(readers) != 1 or readers[0].type not in _IN_PLACE:
+        return False
+    made = [t for t in readers[0].inputs if t.op.name in in_chain]
+    return made[0].name == tensor.name and readers[0].outputs[0].shape == tensor.shape
 
 
 def _gate(operations, index: int) -> Optional[str]:
