@@ -1,6 +1,6 @@
 """Training beyond GPU memory: the largest batch plain TensorFlow trains under a memory cap, its
-images per second, and the same with tf_ucudnn's memory plan (swaps and recomputations), side by
-side in one process.
+images per second, and the same with tf_ucudnn's memory plan (swaps, recomputations, and the
+first layers in micro-batches where nothing else fits), side by side in one process.
 
     python benchmarks/beyond_memory.py --models resnet50 vgg16 resnet152 --memory-limit-gib 16 \\
         --out benchmarks/results/beyond_memory_h100.json
@@ -102,22 +102,22 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
 
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
-                    step_ms: float, fuse_batch_norm: bool) -> dict:
-    import tf_ucudnn
-    from tf_ucudnn.memory import BudgetError, keras_training_step
+                    step_ms: float, fuse_batch_norm: bool, micro_batches) -> dict:
+    from tf_ucudnn.memory import BudgetError, plan_keras_step
 
     entry = {"batch": batch}
     try:
         start = time.perf_counter()
-        step, report = tf_ucudnn.rewrite(
-            keras_training_step(model, batch, fuse_batch_norm=fuse_batch_norm),
-            memory_budget=budget, device_model=device_model, step_ms=step_ms)
+        step, keras_plan = plan_keras_step(model, batch, budget, device_model, step_ms,
+                                           fuse_batch_norm, micro_batches)
         entry["planning_s"] = time.perf_counter() - start
     except BudgetError as error:
         entry["error"] = str(error)
         return entry
-    memory = report.memory
+    memory = keras_plan.plan
     entry.update(swaps=len(memory.swaps), recomputes=len(memory.recomputes),
+                 micro_batched_until=keras_plan.micro_batched_until,
+                 micro_batches=keras_plan.micro_batches, passed_over=keras_plan.passed_over,
                  predicted=memory.decisions.prediction.to_json())
     rate, error = _try(lambda: _images_per_second(step, batch, shape, steps))
     entry.update({"img_per_s": rate, "measured_peak_bytes": _peak_bytes(step, batch, shape)}
@@ -137,6 +137,9 @@ def main():
                         help="tf_ucudnn's batches, as multiples of TensorFlow's largest, tried in "
                         "turn until one trains")
     parser.add_argument("--fuse-batch-norm", action="store_true")
+    parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
+                        help="micro-batch counts for the first layers, tried when no plan fits "
+                        "whole batches (tf_ucudnn.memory.plan_keras_step)")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -205,7 +208,8 @@ def main():
             step_ms = big_batch / calibration_rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
             trial = _with_tf_ucudnn(model, shape, big_batch, budget, device_model,
-                                    args.steps, step_ms, args.fuse_batch_norm)
+                                    args.steps, step_ms, args.fuse_batch_norm,
+                                    args.micro_batches)
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate

@@ -27,7 +27,13 @@ import time
 import tensorflow as tf
 
 from tf_ucudnn import models
-from tf_ucudnn.memory import BudgetError, DeviceModel, analyze, keras_training_step
+from tf_ucudnn.memory import (
+    BudgetError,
+    DeviceModel,
+    analyze,
+    keras_training_step,
+    plan_keras_step,
+)
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
 
 
@@ -54,6 +60,9 @@ def main():
                         help="budgets in GiB, besides the fractions")
     parser.add_argument("--fuse-batch-norm", action="store_true",
                         help="trace batch normalization as fused kernels")
+    parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
+                        help="when no plan fits whole batches, run the first layers in this "
+                        "many micro-batches (tf_ucudnn.memory.plan_keras_step)")
     parser.add_argument("--measure", action="store_true",
                         help="run each planned step on the CPU and record its measured peak")
     parser.add_argument("--out", required=True)
@@ -78,7 +87,15 @@ def main():
         start = time.perf_counter()
         row = {"fraction": fraction, "budget_bytes": budget}
         try:
-            plan = plan_step_memory(step, row["budget_bytes"], link, step_ms=args.step_ms)
+            if args.micro_batches:
+                _, keras_plan = plan_keras_step(model, args.batch, budget, link, args.step_ms,
+                                                args.fuse_batch_norm, args.micro_batches)
+                plan = keras_plan.plan
+                row.update(micro_batched_until=keras_plan.micro_batched_until,
+                           micro_batches=keras_plan.micro_batches,
+                           passed_over=keras_plan.passed_over)
+            else:
+                plan = plan_step_memory(step, budget, link, step_ms=args.step_ms)
             row.update(plan.decisions.prediction.to_json(), swaps=len(plan.swaps),
                        recomputes=len(plan.recomputes),
                        recomputed_from_swapped=sum(bool(d.swapped_reads)

@@ -126,3 +126,22 @@ def test_function_calls_are_listed():
 def test_other_targets_are_refused():
     with pytest.raises(TypeError, match="GraphDef, a tf.Graph or a ConcreteFunction"):
         analyze("graph.pbtxt")
+
+
+def test_a_split_along_the_first_dimension_shares_its_input_buffer():
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [4, 5], name="a")  # 80 bytes
+        b = tf.math.square(a, name="b")  # 80
+        rows = tf.split(b, 2, axis=0, name="rows")  # b's buffer, sliced
+        columns = tf.split(b, [2, 3], axis=1, name="columns")  # copies: 32 and 48 bytes
+        tf.add_n([tf.reduce_sum(t) for t in (*rows, *columns)], name="total")
+    report = analyze(graph)
+    sizes = dict((t.name, t.bytes) for t in report.tensors)
+    assert "rows:0" not in sizes and "rows:1" not in sizes
+    assert sizes["b:0"] == 80 and sizes["columns:0"] == 32 and sizes["columns:1"] == 48
+    # b stays until the last read of its rows.
+    b = next(t for t in report.tensors if t.name == "b:0")
+    reads_of_rows = [i for i, op in enumerate(graph.get_operations())
+                     if any(t.name.startswith("rows:") for t in op.inputs)]
+    assert max(b.consumers) >= max(reads_of_rows)

@@ -43,7 +43,7 @@ def test_a_measured_step_time_calibrates_the_estimates():
 
 def test_recomputation_chains_reach_back_to_kept_tensors():
     from tf_ucudnn.memory.liveness import analyze
-    from tf_ucudnn.memory.planner import _op_times, _recompute_chains
+    from tf_ucudnn.memory.planner import op_times, _recompute_chains
     from training_steps import gradient_step
 
     tf.keras.utils.set_random_seed(4)
@@ -55,7 +55,7 @@ def test_recomputation_chains_reach_back_to_kept_tensors():
     ])
     step = gradient_step(model, 2)
     report = analyze(step)
-    chains = _recompute_chains(step.graph, report, _op_times(step.graph, SLOW_LINK, None, None))
+    chains = _recompute_chains(step.graph, report, op_times(step.graph, SLOW_LINK, None, None))
     operations = step.graph.get_operations()
     relu = next(op for op in operations if op.type == "Relu" and "gradient" not in op.name)
     chain = chains[relu.outputs[0].name]
@@ -71,7 +71,7 @@ def test_recomputation_chains_reach_back_to_kept_tensors():
 def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
     from tf_ucudnn.batch_norm_fusion import fused_batch_norm
     from tf_ucudnn.memory.liveness import analyze
-    from tf_ucudnn.memory.planner import _after_forward, _op_times
+    from tf_ucudnn.memory.planner import _after_forward, op_times
     from training_steps import gradient_step
 
     tf.keras.utils.set_random_seed(5)
@@ -84,7 +84,7 @@ def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
         step = gradient_step(model, 8)
     report = analyze(step)
     operations = step.graph.get_operations()
-    after = _after_forward(operations, report, _op_times(step.graph, SLOW_LINK, None, None))
+    after = _after_forward(operations, report, op_times(step.graph, SLOW_LINK, None, None))
     # The tape's zeros for the fused kernel's unused outputs come late in the graph's order but
     # are ready at once, as are the shapes it reads off forward tensors: neither can time a
     # swap-in or a recomputation.
@@ -107,14 +107,14 @@ def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_result
     from tf_ucudnn.memory.liveness import analyze
     from tf_ucudnn.memory.performance_model import (MemoryDecisions, RecomputeDecision,
                                                     SwapDecision, predict)
-    from tf_ucudnn.memory.planner import MemoryPlan, _op_times, _recompute_chains
+    from tf_ucudnn.memory.planner import MemoryPlan, op_times, _recompute_chains
     from tf_ucudnn.memory.recompute import CLONE, Recompute
     from tf_ucudnn.memory.swap import Swap
 
     step = conv_training_step()
     report = analyze(step)
     operations = step.graph.get_operations()
-    op_ms = _op_times(step.graph, SLOW_LINK, None, None)
+    op_ms = op_times(step.graph, SLOW_LINK, None, None)
     by_name = {t.name: t for t in report.tensors}
     # A convolution's output, made again from its input, which is itself swapped.
     made, chain = next((name, chain) for name, chain in

@@ -12,10 +12,18 @@ from tf_ucudnn.memory.performance_model import (
 )
 from tf_ucudnn.memory.recompute import Recompute, insert_recomputes
 from tf_ucudnn.memory.swap import Swap, insert_swaps
-from tf_ucudnn.memory.tuner import TuningReport, keras_training_step, tune_batch_size
+from tf_ucudnn.memory.microbatched_prefix import PrefixError, cut, run_in_micro_batches
+from tf_ucudnn.memory.tuner import (
+    KerasStepPlan,
+    TuningReport,
+    keras_training_step,
+    plan_keras_step,
+    tune_batch_size,
+)
 
 __all__ = [
-    "BudgetError", "DeviceModel", "LivenessReport", "MemoryDecisions", "Recompute", "Swap",
-    "TuningReport", "analyze", "insert_recomputes", "insert_swaps", "keras_training_step",
-    "out_of_core_conv2d", "plan_memory", "predict", "tune_batch_size",
+    "BudgetError", "DeviceModel", "KerasStepPlan", "LivenessReport", "MemoryDecisions",
+    "PrefixError", "Recompute", "Swap", "TuningReport", "analyze", "cut", "insert_recomputes",
+    "insert_swaps", "keras_training_step", "out_of_core_conv2d", "plan_keras_step",
+    "plan_memory", "predict", "run_in_micro_batches", "tune_batch_size",
 ]

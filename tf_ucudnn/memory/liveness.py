@@ -28,6 +28,27 @@ from tf_ucudnn.memory.performance_model import TensorUse, tensor_bytes
 ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot",
                 "EnsureShape", "PreventGradient"}
 CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
+
+
+def aliased_input(op: tf.Operation) -> Optional[tf.Tensor]:
+    """The input whose buffer `op`'s outputs share, if any: an aliasing op's, or a split's along
+    the first dimension (TensorFlow slices the buffer, rows being contiguous)."""
+    if op.type in ALIASING_OPS and op.inputs and \
+            op.inputs[0].dtype not in (tf.resource, tf.variant):
+        return op.inputs[0]
+    if op.type in ("Split", "SplitV"):
+        value, axis = (op.inputs[1], op.inputs[0]) if op.type == "Split" else \
+            (op.inputs[0], op.inputs[2])
+        if tf.get_static_value(axis) == 0:
+            return value
+    return None
+
+
+def buffer_of(tensor: tf.Tensor) -> str:
+    """The name of the tensor whose buffer `tensor` is: itself, or what it aliases."""
+    while (source := aliased_input(tensor.op)) is not None:
+        tensor = source
+    return tensor.name
 BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
 
 MIB = 1 << 20
@@ -153,19 +174,18 @@ def analyze(target) -> LivenessReport:
     is_backward = _backward_ops(operations)
 
     # Each tensor's buffer: itself, or for aliasing ops the buffer of their input.
-    buffer_of: dict[str, str] = {}
+    buffers: dict[str, str] = {}
     for op in operations:
+        source = aliased_input(op)
         for output in op.outputs:
-            alias = op.type in ALIASING_OPS and op.inputs and \
-                op.inputs[0].dtype not in (tf.resource, tf.variant)
-            buffer_of[output.name] = buffer_of[op.inputs[0].name] if alias else output.name
+            buffers[output.name] = output.name if source is None else buffers[source.name]
 
     variables, unknown, sizes = {}, [], {}
     producers: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
     for i, op in enumerate(operations):
         for output in op.outputs:
-            if buffer_of[output.name] != output.name:
+            if buffers[output.name] != output.name:
                 continue
             size = tensor_bytes(output)
             if size is None:
@@ -178,10 +198,10 @@ def analyze(target) -> LivenessReport:
             producers[output.name] = i
             readers[output.name] = set()
         for tensor in op.inputs:
-            readers[buffer_of[tensor.name]].add(i)
+            readers[buffers[tensor.name]].add(i)
     last = len(operations) - 1
     for name in returned:
-        readers[buffer_of[name]].add(last)
+        readers[buffers[name]].add(last)
 
     tensors, live = [], [0] * len(operations)
     for name, producer in producers.items():

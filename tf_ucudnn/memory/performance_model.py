@@ -608,7 +608,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
 class BudgetError(ValueError):
     """The budget cannot be met; says by how much it is missed."""
 
-    def __init__(self, budget_bytes: int, prediction: Prediction):
+    def __init__(self, budget_bytes: int, prediction: Prediction, tried: str = ""):
         self.budget_bytes = budget_bytes
         self.shortfall_bytes = prediction.peak_bytes - budget_bytes
         self.prediction = prediction
@@ -616,4 +616,5 @@ class BudgetError(ValueError):
             f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met: "
             f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
             f"{prediction.peak_op}, {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
-            "kept tensor alive there already swapped or recomputed")
+            "kept tensor alive there already swapped or recomputed"
+            + (f" (tried: {tried})" if tried else ""))

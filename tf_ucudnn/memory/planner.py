@@ -16,7 +16,7 @@ from typing import Mapping, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.liveness import ALIASING_OPS, LivenessReport, analyze
+from tf_ucudnn.memory.liveness import LivenessReport, analyze, buffer_of
 from tf_ucudnn.memory.performance_model import (
     DeviceModel,
     MemoryDecisions,
@@ -56,7 +56,7 @@ class MemoryPlan:
                 f"{prediction.exposed_transfer_ms:.3f} ms waiting for transfers")
 
 
-def _op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[str, float]],
+def op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[str, float]],
               step_ms: Optional[float]) -> list[float]:
     """Each op's time: measured where given, else the device model's roofline, scaled so that
     the step takes `step_ms` (a measurement of the whole step) if that is given."""
@@ -99,7 +99,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             continue
 
         def held(read) -> bool:
-            buffer = by_name.get(_buffer(read))
+            buffer = by_name.get(buffer_of(read))
             return (buffer is None or buffer.bytes == 0  # variables, constants, resources
                     or max(buffer.consumers, default=buffer.producer) >= first_backward)
 
@@ -113,9 +113,9 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
                 break
             chain.append(op.name)
             frontier += [read.op for read in op.inputs if not held(read)]
-            reads.update(_buffer(read) for read in op.inputs if held(read))
-            aliased.update(_buffer(read) for read in op.inputs
-                           if held(read) and _buffer(read) != read.name)
+            reads.update(buffer_of(read) for read in op.inputs if held(read))
+            aliased.update(buffer_of(read) for read in op.inputs
+                           if held(read) and buffer_of(read) != read.name)
         if ok:
             ordered = sorted(chain, key=index.get)
             cost = sum(op_ms[index[name]] for name in ordered)
@@ -137,7 +137,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
     calibrates the others."""
     graph = function.graph
     report = analyze(function)
-    op_ms = _op_times(graph, model, measured_ms, step_ms)
+    op_ms = op_times(graph, model, measured_ms, step_ms)
     chains = _recompute_chains(graph, report, op_ms)
     operations = graph.get_operations()
 
@@ -178,14 +178,17 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                             prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
     by_name = {t.name: t for t in report.tensors}
 
+    position = {op.name: i for i, op in enumerate(operations)}
+
     def readers(buffer: str):
-        """Backward readers of a buffer, grouped by the tensor (buffer or alias) they read."""
+        """Backward readers of a buffer, grouped by the tensor (buffer or alias) they read; not
+        the readers of an alias the backward pass makes (it reads the replacement itself)."""
         tensor = by_name[buffer]
         groups: dict[str, list[str]] = {}
         for index in tensor.backward_consumers:
             op = operations[index]
             for read in op.inputs:
-                if _buffer(read) == buffer:
+                if buffer_of(read) == buffer and not report.ops[position[read.op.name]].backward:
                     groups.setdefault(read.name, []).append(op.name)
         return groups
 
@@ -194,7 +197,6 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                   _gate(operations, copied_out_before[decision.tensor]))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
-    index = {op.name: i for i, op in enumerate(operations)}
     recomputes = []
     for decision in decisions.recomputes:  # in the order they run: made along before their own
         tensor = by_name[decision.tensor]
@@ -205,7 +207,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                     chain |= {*chains[along.tensor].ops, operations[by_name[along.tensor].producer].name}
             trigger = operations[anchored(tensor.backward_consumers[0] - 1,
                                           tensor.backward_consumers)].name
-            chain = tuple(sorted(chain, key=index.get))
+            chain = tuple(sorted(chain, key=position.get))
         else:
             trigger, chain = None, ()
         recomputes += [Recompute(read, tuple(dict.fromkeys(names)), trigger, chain)
@@ -250,13 +252,6 @@ def _after_forward(operations, report: LivenessReport, op_ms) -> set:
     forward_end = max((earliest[i] + op_ms[i] for i, op in enumerate(report.ops)
                        if not op.backward), default=0.0)
     return {op.name for i, op in enumerate(operations) if earliest[i] >= 0.98 * forward_end}
-
-
-def _buffer(tensor: tf.Tensor) -> str:
-    while tensor.op.type in ALIASING_OPS and tensor.op.inputs and \
-            tensor.op.inputs[0].dtype not in (tf.resource, tf.variant):
-        tensor = tensor.op.inputs[0]
-    return tensor.name
 
 
 def apply_memory_plan(function, plan: MemoryPlan):

@@ -14,8 +14,9 @@ from typing import Callable, Iterable, Optional
 import tensorflow as tf
 
 from tf_ucudnn.batch_norm_fusion import fused_batch_norm
+from tf_ucudnn.memory.microbatched_prefix import PrefixError, cut, microbatched_model_call
 from tf_ucudnn.memory.performance_model import BudgetError, DeviceModel
-from tf_ucudnn.memory.planner import MemoryPlan, plan_step_memory
+from tf_ucudnn.memory.planner import MemoryPlan, apply_memory_plan, op_times, plan_step_memory
 
 MIB = 1 << 20
 
@@ -55,19 +56,24 @@ class TuningReport:
 
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
-                        fuse_batch_norm: bool = False):
+                        fuse_batch_norm: bool = False, micro_batched_until: Optional[str] = None,
+                        micro_batches: int = 1):
     """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
     with `fuse_batch_norm`, its batch normalization layers traced as fused kernels (a warning
-    names each layer left unfused, and why)."""
+    names each layer left unfused, and why); with `micro_batched_until`, the layers up to that
+    one run in `micro_batches` micro-batches, made again for the backward pass
+    (`tf_ucudnn.memory.microbatched_prefix`)."""
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
     optimizer.build(variables)
+    forward = (microbatched_model_call(cut(model, micro_batched_until), micro_batches)
+               if micro_batched_until else lambda x: model(x, training=True))
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
+            value = loss(y, forward(x))
         optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
         return value
 
@@ -102,3 +108,84 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
         if best is None or trial.images_per_second > best.images_per_second:
             best, best_plan = trial, plan
     return TuningReport(budget_bytes, trials, best, best_plan)
+
+
+@dataclasses.dataclass
+class KerasStepPlan:
+    """A Keras model's training step planned under a budget: its memory plan, the layers run in
+    micro-batches (none if the plan fits without), and every choice tried before, with why it
+    was passed over."""
+
+    plan: MemoryPlan
+    micro_batched_until: Optional[str]
+    micro_batches: int
+    passed_over: list[str]
+
+    def to_json(self) -> dict:
+        return {"micro_batched_until": self.micro_batched_until,
+                "micro_batches": self.micro_batches, "passed_over": self.passed_over,
+                "plan": self.plan.to_json()}
+
+
+def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
+                    device_model: DeviceModel, step_ms: Optional[float] = None,
+                    fuse_batch_norm: bool = False, micro_batches: Iterable[int] = (4, 8),
+                    cuts: Optional[Iterable[str]] = None):
+    """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
+    tf.function with its KerasStepPlan. The step's swaps and recomputations are planned first;
+    if no such plan fits, the model's first layers run in micro-batches too: cut after the
+    shallowest layer of `cuts` (default: the poolings) at which the plan fits, in whichever of
+    `micro_batches` gives the shortest predicted step. BudgetError, with the smallest
+    shortfall, if nothing fits; its message lists what was tried."""
+    passed_over, errors = [], []
+    whole_ms = None  # the whole-batch step's roofline estimate, to scale `step_ms` by
+
+    def attempt(layer: Optional[str], count: int):
+        nonlocal whole_ms
+        step = keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
+                                   micro_batched_until=layer, micro_batches=count)
+        # `step_ms` is the whole-batch step's; micro-batches run the prefix twice, so theirs is
+        # longer by what the estimates add.
+        estimate = sum(op_times(step.graph, device_model, None, None))
+        whole_ms = whole_ms or estimate
+        calibrated = step_ms * estimate / whole_ms if step_ms is not None else None
+        try:
+            return step, plan_step_memory(step, budget_bytes, device_model, step_ms=calibrated)
+        except BudgetError as error:
+            errors.append(error)
+            where = f"up to {layer} in {count} micro-batches" if layer else "whole batches"
+            passed_over.append(f"{where}: {error.shortfall_bytes / MIB:.1f} MiB over")
+            return None
+
+    result, chosen = attempt(None, 1), (None, 1)
+    if result is None:
+        for layer in _cuts(model, cuts, passed_over):
+            fitting = {count: found for count in micro_batches
+                       if count <= batch_size and (found := attempt(layer, count))}
+            if fitting:
+                count = min(fitting, key=lambda c: fitting[c][1].decisions.prediction.step_ms)
+                result, chosen = fitting[count], (layer, count)
+                break
+    if result is None:
+        error = min(errors, key=lambda e: e.shortfall_bytes)
+        raise BudgetError(error.budget_bytes, error.prediction, tried="; ".join(passed_over))
+    step, plan = result
+    return apply_memory_plan(step, plan), KerasStepPlan(plan, *chosen, passed_over)
+
+
+_POOLINGS = (tf.keras.layers.MaxPooling2D, tf.keras.layers.AveragePooling2D,
+             tf.keras.layers.MaxPooling3D, tf.keras.layers.AveragePooling3D)
+
+
+def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]], passed_over: list[str]):
+    """The layers (`names`, or the poolings) after which the model can be cut, in order; the
+    others are added to `passed_over` with the reason."""
+    names = list(names) if names is not None else [
+        layer.name for layer in model.layers if isinstance(layer, _POOLINGS)]
+    for name in names:
+        try:
+            cut(model, name)
+        except PrefixError as error:
+            passed_over.append(f"up to {name}: {error}")
+            continue
+        yield name
