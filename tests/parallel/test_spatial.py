@@ -129,3 +129,24 @@ def test_rows_too_many_for_one_call_are_convolved_in_chunks():
                                         tf.TensorSpec(w.shape, w.dtype)).graph
     # 6 output rows per device, at most 2 per call: 3 calls each (the halo rows are their own).
     assert len([op for op in graph.get_operations() if op.type == "UcudnnConv3D"]) >= 6
+
+
+def test_rows_too_many_for_one_call_are_pooled_in_chunks():
+    x = tf.cast(_random([2, 12, 6, 4, 3], 13), tf.float32)
+    for kind, expected in (("MAX", tf.nn.max_pool3d), ("AVG", tf.nn.avg_pool3d)):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            # A row is 2 x 6 x 4 x 3 = 144 values: 600 allow two 2-row windows a call.
+            chunked = gather(pool(split(x, DEVICES[:2]), 2, kind, max_call_elements=600))
+            whole = expected(x, 2, 2, "VALID")
+        np.testing.assert_allclose(chunked.numpy(), whole.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(tape.gradient(chunked, x).numpy(),
+                                   tape.gradient(whole, x).numpy(), rtol=1e-6)
+
+    @tf.function
+    def calls(x):
+        return gather(pool(split(x, DEVICES[:2]), 2, "AVG", max_call_elements=600))
+
+    graph = calls.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
+    # 6 rows per device, 4 rows a call: two calls each.
+    assert len([op for op in graph.get_operations() if op.type == "AvgPool3D"]) == 4

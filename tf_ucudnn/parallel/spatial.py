@@ -230,16 +230,28 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     return Slabs(parts, slabs.devices)
 
 
-def pool(slabs: Slabs, window: int, kind: str = "MAX", name: str = "spatial_pool") -> Slabs:
+def pool(slabs: Slabs, window: int, kind: str = "MAX", name: str = "spatial_pool",
+         max_call_elements: int = MAX_CALL_ELEMENTS) -> Slabs:
     """Non-overlapping pooling (window = stride, VALID) in every spatial dimension; each slab must
-    hold whole windows."""
+    hold whole windows. A slab is pooled in chunks of whole windows of at most
+    `max_call_elements` input values (as the convolutions: cuDNN's pooling refuses 2^31)."""
     if any(size % window for size in slabs.sizes):
         raise SpatialSplitError(f"{name}: slabs of {slabs.sizes} rows do not hold whole "
                                 f"{window}-row pooling windows; choose slab sizes divisible by "
                                 f"{window}")
-    return slabs.map(lambda part: tf.nn.pool(part, [window] * (len(part.shape) - 2), kind,
-                                             strides=[window] * (len(part.shape) - 2),
-                                             padding="VALID"))
+    spatial = len(slabs.parts[0].shape) - 2
+    row_values = math.prod(d or 1 for i, d in enumerate(slabs.parts[0].shape.as_list())
+                           if i != SPLIT_AXIS)
+    rows_per_call = max(1, max_call_elements // (row_values * window)) * window
+
+    def run(part):
+        size = int(part.shape[SPLIT_AXIS])
+        pieces = [tf.nn.pool(_rows(part, low, min(size, low + rows_per_call)), [window] * spatial,
+                             kind, strides=[window] * spatial, padding="VALID")
+                  for low in range(0, size, rows_per_call)]
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
+
+    return slabs.map(run)
 
 
 def batch_norm(slabs: Slabs, gamma, beta, epsilon: float = 1e-3) -> Slabs:
