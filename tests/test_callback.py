@@ -171,6 +171,27 @@ def test_with_a_memory_budget_training_follows_the_memory_plan():
     assert "train_step" not in vars(planned)
 
 
+def test_under_a_tighter_budget_the_first_layers_train_in_micro_batches():
+    from training_steps import SLOW_LINK
+
+    probe = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+                               device_model=SLOW_LINK, verbose=0)
+    _fit(_vgg_style, [probe], epochs=1)
+    budget = int(probe.report.memory.decisions.prediction.peak_bytes * 0.6)
+    plain, plain_history = _fit(_vgg_style, [])
+    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=budget,
+                                  device_model=SLOW_LINK, verbose=0)
+    planned, history = _fit(_vgg_style, [callback])
+    chosen = callback.memory_plan
+    assert chosen.micro_batched_until.startswith("max_pooling2d") and chosen.micro_batches == 4
+    assert chosen.passed_over[0].startswith("whole batches:")
+    assert callback.report.memory.decisions.prediction.peak_bytes <= budget
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "call" not in vars(planned) and "train_step" not in vars(planned)
+
+
 def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
     from training_steps import SLOW_LINK
 

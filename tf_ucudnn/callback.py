@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
@@ -28,6 +28,8 @@ from tf_ucudnn.graph.conv_layers import (
     keras_conv_layer,
 )
 from tf_ucudnn.graph.rewrite import LeftAlone, Planner, RewriteReport, RewrittenLayer
+from tf_ucudnn.memory import DeviceModel, KerasStepPlan, plan_keras_step
+from tf_ucudnn.memory.microbatched_prefix import micro_batched_calls
 from tf_ucudnn.plan import LayerPlan
 from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
 
@@ -64,8 +66,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
       memory_budget: optionally, the device memory the training step must fit in (bytes or a
         size); the step is then traced at the real batch size and trained with the swaps and
         recomputations `tf_ucudnn.rewrite` plans for it (one step per call: steps_per_execution
-        must be 1). A budget that cannot be met stops training with a BudgetError saying by how
-        much.
+        must be 1). If no such plan fits, the model's first layers run in micro-batches too
+        (`tf_ucudnn.memory.plan_keras_step`). A budget that cannot be met stops training with a
+        BudgetError saying by how much.
+      micro_batches: the micro-batch counts the first layers may run in under a memory budget
+        (none: whole batches only).
       device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
         if not given).
       fuse_batch_norm: train the BatchNormalization layers as fused kernels
@@ -82,11 +87,14 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  planner: Optional[Planner] = None,
                  *, database: str = DEFAULT_DATABASE, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
-                 fuse_batch_norm: bool = False, verbose: int = 1):
+                 micro_batches: Sequence[int] = (4, 8), fuse_batch_norm: bool = False,
+                 verbose: int = 1):
         super().__init__()
         self.workspace_limit_bytes = parse_bytes(workspace_limit)
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self._device_model = device_model
+        self.micro_batches = tuple(micro_batches)
+        self.memory_plan: Optional[KerasStepPlan] = None
         self._planner = planner
         self._database = database
         self._profiles = tuple(profiles)
@@ -216,12 +224,23 @@ class MicroBatchCallback(keras.callbacks.Callback):
         specs = tf.nest.map_structure(
             lambda spec: tf.TensorSpec([batch, *spec.shape[1:]], spec.dtype), self._data_spec)
         own_step = tf.function(self.model.train_step)
-        step, memory = rewrite(own_step.get_concrete_function(specs),
-                               memory_budget=self.memory_budget_bytes,
-                               device_model=self._device_model)
-        self.report.memory = memory.memory
+
+        def trace(layer, count):
+            if layer is None:
+                return own_step.get_concrete_function(specs)
+            with micro_batched_calls(self.model, layer, count):
+                return tf.function(self.model.train_step).get_concrete_function(specs)
+
+        step, self.memory_plan = plan_keras_step(
+            self.model, batch, self.memory_budget_bytes,
+            self._device_model or DeviceModel.measure(), micro_batches=self.micro_batches,
+            trace=trace)
+        self.report.memory = self.memory_plan.plan
         if self.verbose:
             print(self.report.memory.to_text(), flush=True)
+            if self.memory_plan.micro_batched_until:
+                print(f"  layers up to {self.memory_plan.micro_batched_until} run in "
+                      f"{self.memory_plan.micro_batches} micro-batches", flush=True)
 
         def train_function(iterator):
             next_data = iterator.get_next_as_optional()

@@ -16,6 +16,7 @@ on the rest of the batch may be in the prefix: batch normalization in training i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -111,3 +112,15 @@ def microbatched_model_call(prefix: Prefix, micro_batches: int):
     def call(x, training: Optional[bool] = True):
         return prefix.tail(run_in_micro_batches(prefix.head, x, micro_batches), training=training)
     return call
+
+
+@contextlib.contextmanager
+def micro_batched_calls(model: tf.keras.Model, layer: str, micro_batches: int):
+    """Within the block, calling `model` (as its own train_step does) runs the layers up to
+    `layer` in micro-batches; for tracing a step the model's owner wrote."""
+    call = microbatched_model_call(cut(model, layer), micro_batches)
+    model.__dict__["call"] = lambda inputs, training=None, **kwargs: call(inputs, training)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("call", None)

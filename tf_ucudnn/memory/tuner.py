@@ -130,20 +130,24 @@ class KerasStepPlan:
 def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
                     device_model: DeviceModel, step_ms: Optional[float] = None,
                     fuse_batch_norm: bool = False, micro_batches: Iterable[int] = (4, 8),
-                    cuts: Optional[Iterable[str]] = None):
+                    cuts: Optional[Iterable[str]] = None,
+                    trace: Optional[Callable[[Optional[str], int], object]] = None):
     """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
     tf.function with its KerasStepPlan. The step's swaps and recomputations are planned first;
     if no such plan fits, the model's first layers run in micro-batches too: cut after the
     shallowest layer of `cuts` (default: the poolings) at which the plan fits, in whichever of
     `micro_batches` gives the shortest predicted step. BudgetError, with the smallest
-    shortfall, if nothing fits; its message lists what was tried."""
+    shortfall, if nothing fits; its message lists what was tried. `trace(layer, count)` gives
+    the step to plan (a ConcreteFunction), the layers up to `layer` in `count` micro-batches
+    (`layer` None: whole batches); by default `keras_training_step`'s."""
     passed_over, errors = [], []
     whole_ms = None  # the whole-batch step's roofline estimate, to scale `step_ms` by
 
     def attempt(layer: Optional[str], count: int):
         nonlocal whole_ms
-        step = keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
-                                   micro_batched_until=layer, micro_batches=count)
+        step = (trace(layer, count) if trace is not None else
+                keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
+                                    micro_batched_until=layer, micro_batches=count))
         # `step_ms` is the whole-batch step's; micro-batches run the prefix twice, so theirs is
         # longer by what the estimates add.
         estimate = sum(op_times(step.graph, device_model, None, None))
