@@ -19,7 +19,6 @@ import keras
 import tensorflow as tf
 
 from tf_ucudnn import ops
-from tf_ucudnn.api import rewrite
 from tf_ucudnn.batch_norm_fusion import fused_batch_norm
 from tf_ucudnn.graph.conv_layers import (
     ConvLayer,

@@ -69,19 +69,10 @@ def test_recomputation_chains_reach_back_to_kept_tensors():
 
 
 def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
-    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
     from tf_ucudnn.memory.liveness import analyze
     from tf_ucudnn.memory.planner import _after_forward, op_times
-    from training_steps import gradient_step
 
-    tf.keras.utils.set_random_seed(5)
-    layers = tf.keras.layers
-    model = tf.keras.Sequential([tf.keras.Input((16, 16, 3))] + [
-        layer for _ in range(3) for layer in (layers.Conv2D(8, 3, padding="same"),
-                                              layers.BatchNormalization(), layers.ReLU())] + [
-        layers.GlobalAveragePooling2D(), layers.Dense(2)])
-    with fused_batch_norm(model):
-        step = gradient_step(model, 8)
+    step = _fused_conv_batch_norm_step(blocks=3, size=16, channels=8)
     report = analyze(step)
     operations = step.graph.get_operations()
     after = _after_forward(operations, report, op_times(step.graph, SLOW_LINK, None, None))
@@ -146,17 +137,7 @@ def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_result
 
 
 def test_a_segment_recomputed_in_one_go_gives_the_same_results():
-    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
-    from training_steps import gradient_step
-
-    tf.keras.utils.set_random_seed(5)
-    layers = tf.keras.layers
-    model = tf.keras.Sequential([tf.keras.Input((32, 32, 3))] + [
-        layer for _ in range(4) for layer in (layers.Conv2D(16, 3, padding="same"),
-                                              layers.BatchNormalization(), layers.ReLU())] + [
-        layers.GlobalAveragePooling2D(), layers.Dense(2)])
-    with fused_batch_norm(model):
-        step = gradient_step(model, 8)
+    step = _fused_conv_batch_norm_step(blocks=4, size=32, channels=16)
     peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
     plan = plan_step_memory(step, int(peak * 0.6), SLOW_LINK)
     along = [d for d in plan.decisions.recomputes if d.made_with]
@@ -169,3 +150,18 @@ def test_a_segment_recomputed_in_one_go_gives_the_same_results():
         assert all(r.chain == () and r.trigger is None
                    for r in plan.recomputes if r.tensor == decision.tensor)
     assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
+
+
+def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int):
+    """Convolution, fused batch normalization and ReLU blocks, batch 8, with gradients."""
+    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
+    from training_steps import gradient_step
+
+    tf.keras.utils.set_random_seed(5)
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([tf.keras.Input((size, size, 3))] + [
+        layer for _ in range(blocks) for layer in (layers.Conv2D(channels, 3, padding="same"),
+                                                   layers.BatchNormalization(), layers.ReLU())] + [
+        layers.GlobalAveragePooling2D(), layers.Dense(2)])
+    with fused_batch_norm(model):
+        return gradient_step(model, 8)

@@ -120,13 +120,7 @@ def test_recomputations_whose_chains_meet_clone_their_own_and_make_no_cycle():
                    nodes[nodes["e2"].input[1]].input[0]}
     assert len(relu_clones) == 2 and all(name.startswith("r/ucudnn_recompute")
                                          for name in relu_clones)
-    with tf.Graph().as_default():
-        e2, = tf.graph_util.import_graph_def(graph_def, return_elements=["e2:0"])
-        with tf.compat.v1.Session() as session:
-            values = np.array([-1.0, 0.25, 1.0, 2.0], np.float32)
-            got = session.run(e2, {"import/x:0": values})
-    r = np.maximum(values - 0.5, 0)
-    np.testing.assert_allclose(got, np.sin(2 * r) + 3 * r, rtol=1e-6)
+    _assert_e2_is_sin_2r_plus_3r(graph_def)
 
 
 def test_a_tensor_made_on_an_earlier_chain_is_not_made_again():
@@ -149,10 +143,15 @@ def test_a_tensor_made_on_an_earlier_chain_is_not_made_again():
     assert nodes["a3"].input[0] == "a/ucudnn_recompute"
     assert nodes["a3/ucudnn_recompute"].input[0] == "a/ucudnn_recompute"
     assert "^e1" in nodes["a3/ucudnn_recompute"].input  # read a clone made earlier: still waits
+    _assert_e2_is_sin_2r_plus_3r(graph_def)
+
+
+def _assert_e2_is_sin_2r_plus_3r(graph_def):
+    """e2 = sin(2 r) + 3 r with r = relu(x - 0.5), run from the GraphDef in a Session."""
     with tf.Graph().as_default():
         e2, = tf.graph_util.import_graph_def(graph_def, return_elements=["e2:0"])
         with tf.compat.v1.Session() as session:
             values = np.array([-1.0, 0.25, 1.0, 2.0], np.float32)
             got = session.run(e2, {"import/x:0": values})
-    a = np.maximum(values - 0.5, 0)
-    np.testing.assert_allclose(got, np.sin(2 * a) + 3 * a, rtol=1e-6)
+    r = np.maximum(values - 0.5, 0)
+    np.testing.assert_allclose(got, np.sin(2 * r) + 3 * r, rtol=1e-6)

@@ -198,13 +198,14 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
     recomputes = []
-    for decision in decisions.recomputes:  # in the order they run: made along before their own
+    for decision in decisions.recomputes:  # in the order they run: makers before made along
         tensor = by_name[decision.tensor]
         if decision.made_with is None:
             chain = set(chains[decision.tensor].ops)
             for along in decisions.recomputes:
                 if along.made_with == decision.tensor:
-                    chain |= {*chains[along.tensor].ops, operations[by_name[along.tensor].producer].name}
+                    producer = operations[by_name[along.tensor].producer].name
+                    chain |= {*chains[along.tensor].ops, producer}
             trigger = operations[anchored(tensor.backward_consumers[0] - 1,
                                           tensor.backward_consumers)].name
             chain = tuple(sorted(chain, key=position.get))
