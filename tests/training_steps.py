@@ -49,3 +49,19 @@ def assert_same_step(original, changed, rtol=1e-5, atol=1e-6, seed=(1, 2)):
     np.testing.assert_allclose(new_loss.numpy(), loss.numpy(), rtol=rtol)
     for a, b in zip(new_grads, grads):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=rtol, atol=atol)
+
+
+def pooled_conv_model():
+    """Two convolutions, a pooling, a convolution, a pooling, a convolution and a dense head,
+    on 32x32x3 inputs: poolings to cut a VGG-style model after."""
+    tf.keras.utils.set_random_seed(3)
+    layers = tf.keras.layers
+    inputs = tf.keras.Input((32, 32, 3))
+    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c1")(inputs)
+    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c2")(h)
+    h = layers.MaxPooling2D(name="pool1")(h)
+    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c3")(h)
+    h = layers.MaxPooling2D(name="pool2")(h)
+    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c4")(h)
+    h = layers.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, layers.Dense(4)(h))

@@ -8,22 +8,9 @@ from tf_ucudnn.memory.microbatched_prefix import PrefixError, cut, microbatched_
 from tf_ucudnn.memory.performance_model import BudgetError
 from tf_ucudnn.memory.planner import plan_step_memory
 from tf_ucudnn.memory.tuner import keras_training_step, plan_keras_step
-from training_steps import SLOW_LINK, assert_same_step
+from training_steps import SLOW_LINK, assert_same_step, pooled_conv_model
 
 layers = tf.keras.layers
-
-
-def _vgg_like():
-    tf.keras.utils.set_random_seed(3)
-    inputs = tf.keras.Input((32, 32, 3))
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c1")(inputs)
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c2")(h)
-    h = layers.MaxPooling2D(name="pool1")(h)
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c3")(h)
-    h = layers.MaxPooling2D(name="pool2")(h)
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c4")(h)
-    h = layers.GlobalAveragePooling2D()(h)
-    return tf.keras.Model(inputs, layers.Dense(4)(h))
 
 
 def _gradient_step(model, batch, forward):
@@ -41,14 +28,14 @@ def _gradient_step(model, batch, forward):
 
 @pytest.mark.parametrize("layer, micro_batches", [("pool1", 3), ("pool2", 4), ("c1", 8)])
 def test_the_step_in_micro_batches_gives_the_same_loss_and_gradients(layer, micro_batches):
-    model = _vgg_like()
+    model = pooled_conv_model()
     plain = _gradient_step(model, 8, lambda x: model(x, training=True))
     micro = _gradient_step(model, 8, microbatched_model_call(cut(model, layer), micro_batches))
     assert_same_step(plain, micro, rtol=1e-5, atol=1e-6)
 
 
 def test_only_one_micro_batch_is_held_at_a_time():
-    model = _vgg_like()
+    model = pooled_conv_model()
     prefix = cut(model, "pool2")
     step = _gradient_step(model, 16, microbatched_model_call(prefix, 4))
     report = analyze(step)
@@ -64,7 +51,7 @@ def test_only_one_micro_batch_is_held_at_a_time():
 
 
 def test_cuts_the_model_does_not_allow_are_refused_with_the_reason():
-    model = _vgg_like()
+    model = pooled_conv_model()
     with pytest.raises(PrefixError, match="has no layer 'pool9'"):
         cut(model, "pool9")
     inputs = tf.keras.Input((8, 8, 3))
@@ -81,7 +68,7 @@ def test_cuts_the_model_does_not_allow_are_refused_with_the_reason():
 
 
 def test_plan_keras_step_runs_the_first_layers_in_micro_batches_when_it_must():
-    model = _vgg_like()
+    model = pooled_conv_model()
     peak = plan_step_memory(keras_training_step(model, 16), 1 << 40,
                             SLOW_LINK).decisions.prediction.peak_bytes
     step, plan = plan_keras_step(model, 16, int(peak * 0.4), SLOW_LINK)

@@ -48,3 +48,21 @@ def test_batches_that_cannot_fit_say_so():
     assert report.best is None and report.plan is None
     assert all("cannot be met" in t.reason for t in report.trials)
     assert "no batch size fits" in report.to_text()
+
+
+def test_a_keras_model_tunes_with_micro_batched_first_layers_where_they_are_needed():
+    from training_steps import SLOW_LINK, pooled_conv_model
+
+    from tf_ucudnn.memory.tuner import tune_keras_batch_size
+
+    model = pooled_conv_model()
+    budget = plan_step_memory(keras_training_step(model, 16), 1 << 40,
+                              SLOW_LINK).decisions.prediction.peak_bytes
+    report = tune_keras_batch_size(model, (8, 16, 32), budget, SLOW_LINK)
+    by_batch = {t.batch_size: t for t in report.trials}
+    # 16 fits as it is; 32 fits only with its first layers in micro-batches, and says so.
+    assert by_batch[16].micro_batched_until is None and by_batch[16].micro_batches == 1
+    assert by_batch[32].micro_batched_until == "pool1" and by_batch[32].micro_batches > 1
+    assert all(t.peak_bytes <= budget for t in report.trials)
+    assert report.best == max(report.trials, key=lambda t: t.images_per_second)
+    assert "up to pool1 in" in report.to_text()

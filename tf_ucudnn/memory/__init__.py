@@ -19,6 +19,7 @@ from tf_ucudnn.memory.tuner import (
     keras_training_step,
     plan_keras_step,
     tune_batch_size,
+    tune_keras_batch_size,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "PrefixError", "Recompute", "Swap", "TuningReport", "analyze", "cut", "insert_recomputes",
     "insert_swaps", "keras_training_step", "out_of_core_conv2d", "plan_keras_step",
     "plan_memory", "predict", "run_in_micro_batches", "tune_batch_size",
+    "tune_keras_batch_size",
 ]

@@ -28,6 +28,8 @@ class BatchTrial:
     step_ms: Optional[float]
     peak_bytes: int  # predicted with the plan, or without one when it cannot fit
     reason: str = ""
+    micro_batched_until: Optional[str] = None  # the layers run in micro-batches, if any
+    micro_batches: int = 1
 
 
 @dataclasses.dataclass
@@ -48,7 +50,9 @@ class TuningReport:
         for trial in self.trials:
             lines.append(f"  batch {trial.batch_size}: " + (
                 f"{trial.images_per_second:.1f} img/s predicted ({trial.step_ms:.3f} ms/step, "
-                f"peak {trial.peak_bytes / MIB:.1f} MiB)" if trial.images_per_second
+                f"peak {trial.peak_bytes / MIB:.1f} MiB"
+                + (f", up to {trial.micro_batched_until} in {trial.micro_batches} micro-batches"
+                   if trial.micro_batched_until else "") + ")" if trial.images_per_second
                 else f"does not fit: {trial.reason}"))
         lines.append(f"best: batch {self.best.batch_size}" if self.best else
                      "no batch size fits the budget")
@@ -92,18 +96,41 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
                     measured_ms: Optional[Callable[[int], dict]] = None) -> TuningReport:
     """Plans each batch size's step (`step_for(batch)`, a ConcreteFunction) under the budget and
     picks the most images per second; `measured_ms(batch)` may give measured op times."""
+    return _tune(lambda batch: (plan_step_memory(step_for(batch), budget_bytes, model,
+                                                 measured_ms(batch) if measured_ms else None),
+                                {}), batch_sizes, budget_bytes)
+
+
+def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
+                          budget_bytes: int, model: DeviceModel,
+                          step_ms: Optional[Callable[[int], float]] = None,
+                          fuse_batch_norm: bool = False,
+                          micro_batches: Iterable[int] = (4, 8)) -> TuningReport:
+    """`tune_batch_size` for a Keras model, each batch planned by `plan_keras_step` (its first
+    layers in micro-batches where nothing else fits, as each trial records); `step_ms(batch)`
+    may give the measured step time without a plan, to calibrate the op times."""
+    def plan(batch):
+        _, chosen = plan_keras_step(keras_model, batch, budget_bytes, model,
+                                    step_ms(batch) if step_ms else None, fuse_batch_norm,
+                                    micro_batches)
+        return chosen.plan, {"micro_batched_until": chosen.micro_batched_until,
+                             "micro_batches": chosen.micro_batches}
+    return _tune(plan, batch_sizes, budget_bytes)
+
+
+def _tune(plan_for, batch_sizes: Iterable[int], budget_bytes: int) -> TuningReport:
+    """The trials of `plan_for(batch)` (a MemoryPlan and what else the trial records) and the
+    best of them."""
     trials, best, best_plan = [], None, None
     for batch in sorted(set(batch_sizes)):
-        step = step_for(batch)
         try:
-            plan = plan_step_memory(step, budget_bytes, model,
-                                    measured_ms(batch) if measured_ms else None)
+            plan, details = plan_for(batch)
         except BudgetError as error:
             trials.append(BatchTrial(batch, None, None, error.prediction.peak_bytes, str(error)))
             continue
         prediction = plan.decisions.prediction
         trial = BatchTrial(batch, batch / prediction.step_ms * 1e3, prediction.step_ms,
-                           prediction.peak_bytes)
+                           prediction.peak_bytes, **details)
         trials.append(trial)
         if best is None or trial.images_per_second > best.images_per_second:
             best, best_plan = trial, plan
