@@ -208,10 +208,10 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
             recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
         else:
             made_with[decision.tensor] = decision.made_with
+    recomputed = {d.tensor for d in recomputes}
     for name, owner in made_with.items():
         maker = by_name.get(owner)
-        if owner in made_with or maker is None or owner not in \
-                {d.tensor for d in recomputes} or \
+        if owner in made_with or owner not in recomputed or \
                 maker.backward_consumers[0] > by_name[name].backward_consumers[0]:
             raise ValueError(f"{name}: made with {owner}, which must be a tensor recomputed on "
                              "its own, no later than this one is needed")
@@ -328,11 +328,11 @@ class _TensorTable:
         global _last_table
         if _last_table is not None and _last_table.tensors is tensors:
             return _last_table
-        _last_table = cls(tensors, {t.name: t for t in tensors},
-                    {t.name: i for i, t in enumerate(tensors)},
-                    np.array([t.producer for t in tensors], dtype=int),
-                    np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
-                    np.array([t.bytes for t in tensors], dtype=np.int64))
+        _last_table = cls(
+            tensors, {t.name: t for t in tensors}, {t.name: i for i, t in enumerate(tensors)},
+            np.array([t.producer for t in tensors], dtype=int),
+            np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
+            np.array([t.bytes for t in tensors], dtype=np.int64))
         return _last_table
 
 
@@ -467,6 +467,7 @@ class _Recomputing:
         chosen = set(recomputed)
         order = sorted(chosen, key=lambda n: (self.by_name[n].backward_consumers[0],
                                                self.by_name[n].producer))
+        rank = {name: i for i, name in enumerate(order)}
         made_with: dict[str, str] = {}
         decisions, pinned = [], set()
         for name in order:
@@ -486,16 +487,12 @@ class _Recomputing:
                         held.add(read)
                         if read not in direct:
                             pinned.add(read)
-                    elif read not in made_with and order.index(read) > order.index(name):
+                    elif read not in made_with and rank[read] > rank[name]:
                         made_with[read] = name
                         making.append(read)
             decisions.append(RecomputeDecision(name, cost, tuple(sorted(held & set(swapped))),
                                                transient_bytes=transient))
         return decisions, pinned
-
-    def read_by(self, decisions) -> set:
-        """The tensors the chosen recomputations read, made along or not."""
-        return {read for d in decisions for read in self.reads.get(d.tensor, ())}
 
 
 def _cheaper_than_a_swap_in(tensors, model, recomputing: _Recomputing, candidates) -> list[str]:
