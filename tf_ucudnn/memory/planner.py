@@ -197,15 +197,16 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                   _gate(operations, copied_out_before[decision.tensor]))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
+    made_along: dict[str, set] = {}  # a recomputation's ops for the tensors made on its way
+    for along in decisions.recomputes:
+        if along.made_with is not None:
+            made_along.setdefault(along.made_with, set()).update(
+                chains[along.tensor].ops, {operations[by_name[along.tensor].producer].name})
     recomputes = []
     for decision in decisions.recomputes:  # in the order they run: makers before made along
         tensor = by_name[decision.tensor]
         if decision.made_with is None:
-            chain = set(chains[decision.tensor].ops)
-            for along in decisions.recomputes:
-                if along.made_with == decision.tensor:
-                    producer = operations[by_name[along.tensor].producer].name
-                    chain |= {*chains[along.tensor].ops, producer}
+            chain = set(chains[decision.tensor].ops) | made_along.get(decision.tensor, set())
             trigger = operations[anchored(tensor.backward_consumers[0] - 1,
                                           tensor.backward_consumers)].name
             chain = tuple(sorted(chain, key=position.get))

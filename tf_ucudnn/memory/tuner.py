@@ -168,6 +168,7 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
     the step to plan (a ConcreteFunction), the layers up to `layer` in `count` micro-batches
     (`layer` None: whole batches); by default `keras_training_step`'s."""
     passed_over, errors = [], []
+    micro_batches = tuple(micro_batches)  # tried again for each cut
     whole_ms = None  # the whole-batch step's roofline estimate, to scale `step_ms` by
 
     def attempt(layer: Optional[str], count: int):
@@ -177,9 +178,11 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
                                     micro_batched_until=layer, micro_batches=count))
         # `step_ms` is the whole-batch step's; micro-batches run the prefix twice, so theirs is
         # longer by what the estimates add.
-        estimate = sum(op_times(step.graph, device_model, None, None))
-        whole_ms = whole_ms or estimate
-        calibrated = step_ms * estimate / whole_ms if step_ms is not None else None
+        calibrated = None
+        if step_ms is not None:
+            estimate = sum(op_times(step.graph, device_model, None, None))
+            whole_ms = whole_ms or estimate
+            calibrated = step_ms * estimate / whole_ms
         try:
             return step, plan_step_memory(step, budget_bytes, device_model, step_ms=calibrated)
         except BudgetError as error:
