@@ -71,7 +71,8 @@ def main():
     parser.add_argument("--link-gb-s", type=float, default=46.0)
     parser.add_argument("--step-ms", type=float, help="the unplanned step's time, if measured")
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
-    parser.add_argument("--fuse-batch-norm", action="store_true")
+    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
+                        choices=["cudnn", "xla"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gpus = tf.config.list_physical_devices("GPU")
@@ -80,6 +81,8 @@ def main():
             tf.config.LogicalDeviceConfiguration(memory_limit=int(args.memory_limit_gib * 1024))])
     device = "GPU:0" if gpus else "CPU:0"
 
+    # As beyond_memory.py runs planned steps: Grappler's layout copies are not in the plan.
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     import tf_ucudnn
     from tf_ucudnn import models
     from tf_ucudnn.memory import DeviceModel, keras_training_step
@@ -105,8 +108,10 @@ def main():
                 host_tracer_level=3, device_tracer_level=0))
         try:
             step(x, y).numpy()
-        except tf.errors.OpError as error:
-            result["error" if profiled else "first_step_error"] = str(error).splitlines()[0]
+        except tf.errors.OpError as error:  # the message's own lines, not the traceback's
+            lines = [line.strip() for line in str(error).splitlines()
+                     if line.strip() and not line.startswith("  ") and "defined at" not in line]
+            result["error" if profiled else "first_step_error"] = " ".join(lines)[-600:]
         finally:
             if profiled:
                 tf.profiler.experimental.stop()

@@ -145,3 +145,59 @@ def test_a_split_along_the_first_dimension_shares_its_input_buffer():
     reads_of_rows = [i for i, op in enumerate(graph.get_operations())
                      if any(t.name.startswith("rows:") for t in op.inputs)]
     assert max(b.consumers) >= max(reads_of_rows)
+
+
+def _batch_norm_graph(data_format: str, dtype=tf.float32):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(dtype, [2, 3, 4, 5], name="x")  # 480 bytes in float32
+        tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=tf.ones([5 if data_format == "NHWC" else 3]),
+            offset=tf.zeros([5 if data_format == "NHWC" else 3]), mean=tf.zeros([0]),
+            variance=tf.zeros([0]), data_format=data_format, is_training=True, name="bn")
+    return graph
+
+
+def test_channels_last_batch_norm_holds_its_kernels_transposed_copies():
+    report = analyze(_batch_norm_graph("NHWC"))
+    scratch = {t.name: (t.bytes, t.producer, t.consumers) for t in report.tensors
+               if t.name.endswith(":scratch")}
+    bn = [op.name for op in report.ops].index("bn")
+    assert scratch == {"bn:scratch": (2 * 480, bn, ())}
+    # At the batch norm: x (480), scale and offset (5 floats each), its output y (480), the four
+    # statistics (5 floats each), and the two transposed copies; none in NCHW (3 channels).
+    assert report.ops[bn].live_bytes == 480 + 2 * 20 + 480 + 4 * 20 + 2 * 480
+    assert analyze(_batch_norm_graph("NCHW")).ops[bn].live_bytes == 480 + 2 * 12 + 480 + 4 * 12
+
+
+def test_the_batch_norm_gradient_holds_three_transposed_copies():
+    x = tf.random.normal([2, 3, 4, 5])
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.raw_ops.FusedBatchNormV3(
+                x=x, scale=tf.ones([5]), offset=tf.zeros([5]), mean=tf.zeros([0]),
+                variance=tf.zeros([0]), data_format="NHWC", is_training=True)[0]
+        return tape.gradient(y, x)
+
+    report = analyze(step.get_concrete_function(x))
+    (grad,) = [i for i, op in enumerate(report.ops) if op.type == "FusedBatchNormGradV3"]
+    scratch = {t.name: t.bytes for t in report.tensors if t.name.endswith(":scratch")}
+    assert scratch[f"{report.ops[grad].name}:scratch"] == 3 * 480
+    assert len(scratch) == 2  # and the forward's
+
+
+def test_an_identity_n_output_shares_the_buffer_of_its_own_input():
+    graph = tf.Graph()
+    with graph.as_default():  # as tf.custom_gradient returns its outputs
+        a = tf.compat.v1.placeholder(tf.float32, [10], name="a")  # 40 bytes
+        b = tf.math.square(a, name="b")  # 40
+        _, b_out = tf.raw_ops.IdentityN(input=[a, b], name="outputs")
+        tf.math.exp(b_out, name="d")  # 40
+    report = analyze(graph)
+    # Ops: a, b, outputs, d. No buffer of IdentityN's own; b lives until d reads it, a until
+    # the IdentityN.
+    assert [t.name for t in report.tensors] == ["a:0", "b:0", "d:0"]
+    assert [op.live_bytes for op in report.ops] == [40, 80, 80, 80]

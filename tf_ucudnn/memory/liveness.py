@@ -7,6 +7,9 @@ reads is held during its producer only, unless the step returns it. Ops that han
 buffer (Identity, Reshape, ...) make no new tensor: they extend the life of the one they read.
 Variables are persistent, counted apart; function calls count as one op (listed in the report),
 so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside them.
+Some GPU kernels allocate buffers of their own while they run (`kernel_scratch_bytes`); each is
+counted as a tensor `<op>:scratch` held during its op only. The steps are planned for the GPU, so
+these are its kernels' buffers, also when the analysis runs on a CPU.
 
 The backward pass is the ops `tf.GradientTape` put under a `gradient_tape/` (or `gradients/`) name
 scope and every op depending on them. Tensors made by the forward pass and read by the backward
@@ -16,6 +19,7 @@ pass are the kept activations that swapping and recomputation act on.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import tensorflow as tf
@@ -30,9 +34,13 @@ ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", 
 CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
 
 
-def aliased_input(op: tf.Operation) -> Optional[tf.Tensor]:
-    """The input whose buffer `op`'s outputs share, if any: an aliasing op's, or a split's along
-    the first dimension (TensorFlow slices the buffer, rows being contiguous)."""
+def aliased_input(op: tf.Operation, output: int = 0) -> Optional[tf.Tensor]:
+    """The input whose buffer `op`'s output (by index) shares, if any: an aliasing op's, an
+    IdentityN's own (tf.custom_gradient's outputs), or a split's along the first dimension
+    (TensorFlow slices the buffer, rows being contiguous)."""
+    if op.type == "IdentityN":
+        source = op.inputs[output]
+        return source if source.dtype not in (tf.resource, tf.variant) else None
     if op.type in ALIASING_OPS and op.inputs and \
             op.inputs[0].dtype not in (tf.resource, tf.variant):
         return op.inputs[0]
@@ -46,9 +54,32 @@ def aliased_input(op: tf.Operation) -> Optional[tf.Tensor]:
 
 def buffer_of(tensor: tf.Tensor) -> str:
     """The name of the tensor whose buffer `tensor` is: itself, or what it aliases."""
-    while (source := aliased_input(tensor.op)) is not None:
+    while (source := aliased_input(tensor.op, tensor.value_index)) is not None:
         tensor = source
     return tensor.name
+
+
+_BATCH_NORMS = {"FusedBatchNorm": 2, "FusedBatchNormV2": 2, "FusedBatchNormV3": 2,
+                "FusedBatchNormGrad": 3, "FusedBatchNormGradV2": 3, "FusedBatchNormGradV3": 3}
+
+
+def kernel_scratch_bytes(op: tf.Operation) -> int:
+    """Bytes the op's GPU kernel allocates for itself while it runs. TensorFlow's batch
+    normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
+    TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
+    output transposed (two activation-sized buffers); backward, the input, the output's gradient
+    and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
+    such a gradient, four 1.85 GB buffers for one normalization."""
+    copies = _BATCH_NORMS.get(op.type)
+    if copies is None or op.get_attr("data_format") not in (b"NHWC", b"NDHWC") or \
+            not op.get_attr("is_training"):
+        return 0
+    if op.type.endswith("V3") and op.inputs[0].dtype == tf.float16 and \
+            os.environ.get("TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT", "0") not in ("", "0"):
+        return 0
+    return copies * (tensor_bytes(op.inputs[0]) or 0)
+
+
 BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
 
 MIB = 1 << 20
@@ -176,8 +207,8 @@ def analyze(target) -> LivenessReport:
     # Each tensor's buffer: itself, or for aliasing ops the buffer of their input.
     buffers: dict[str, str] = {}
     for op in operations:
-        source = aliased_input(op)
         for output in op.outputs:
+            source = aliased_input(op, output.value_index)
             buffers[output.name] = output.name if source is None else buffers[source.name]
 
     variables, unknown, sizes = {}, [], {}
@@ -199,6 +230,10 @@ def analyze(target) -> LivenessReport:
             readers[output.name] = set()
         for tensor in op.inputs:
             readers[buffers[tensor.name]].add(i)
+        scratch = kernel_scratch_bytes(op)
+        if scratch:
+            sizes[f"{op.name}:scratch"], producers[f"{op.name}:scratch"] = scratch, i
+            readers[f"{op.name}:scratch"] = set()
     last = len(operations) - 1
     for name in returned:
         readers[buffers[name]].add(last)

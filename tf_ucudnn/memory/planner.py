@@ -16,7 +16,12 @@ from typing import Mapping, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_ucudnn.graph.functions import callable_over
-from tf_ucudnn.memory.liveness import LivenessReport, analyze, buffer_of
+from tf_ucudnn.memory.liveness import (
+    LivenessReport,
+    analyze,
+    buffer_of,
+    kernel_scratch_bytes,
+)
 from tf_ucudnn.memory.performance_model import (
     DeviceModel,
     MemoryDecisions,
@@ -80,7 +85,8 @@ class RecomputeChain(NamedTuple):
     reads: frozenset  # the held tensors (buffers) the chain reads: they must stay on the device
     # Those it reads as they are only, never through an alias: or be swapped, or made again too.
     direct_reads: frozenset
-    transient_bytes: int  # the largest output of its ops before the producer, not overwritten
+    # The largest output of its ops before the producer, not written over, or kernel buffer.
+    transient_bytes: int
 
 
 def _recompute_chains(graph: tf.Graph, report: LivenessReport,
@@ -121,9 +127,11 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
             cost = sum(op_ms[index[name]] for name in ordered)
             reads &= set(by_name)
             in_chain = set(ordered)
-            transient = max((tensor_bytes(t) or 0 for name in ordered[:-1]
+            transient = max([tensor_bytes(t) or 0 for name in ordered[:-1]
                              for t in operations[index[name]].outputs
-                             if not _written_over(t, in_chain)), default=0)
+                             if not _written_over(t, in_chain)]
+                            + [kernel_scratch_bytes(operations[index[name]])
+                               for name in ordered], default=0)
             chains[tensor.name] = RecomputeChain(cost, tuple(ordered[:-1]), frozenset(reads),
                                                  frozenset(reads - aliased), transient)
     return chains
