@@ -9,9 +9,11 @@ The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperN
 and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, each
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
-at its own largest batch, both recorded. With `--fuse-batch-norm`, tf_ucudnn's steps train batch
-normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`), and plain TensorFlow with them at
-its own largest batch is recorded too, to tell the fusion's share of the speed from the plan's.
+at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla]`, tf_ucudnn's steps
+train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`), and plain TensorFlow
+with them at its own largest batch is recorded too, run as the planned steps run (without
+Grappler's layout optimizer): it calibrates the plans' op times, and tells the fusion's share of
+the speed from the plan's.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -136,7 +138,9 @@ def main():
     parser.add_argument("--factors", type=float, nargs="+", default=[4, 3, 2.5, 2, 1.5],
                         help="tf_ucudnn's batches, as multiples of TensorFlow's largest, tried in "
                         "turn until one trains")
-    parser.add_argument("--fuse-batch-norm", action="store_true")
+    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn", choices=["cudnn", "xla"],
+                        help="tf_ucudnn's steps train batch normalization with this fused "
+                        "kernel (tf_ucudnn.batch_norm_fusion; cudnn if none is named)")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers, tried when no plan fits "
                         "whole batches (tf_ucudnn.memory.plan_keras_step)")
@@ -188,10 +192,14 @@ def main():
             if measured:
                 scale = min(1.0, predicted / measured)
             if args.fuse_batch_norm:
+                # As the planned steps run: fused, and without the layout optimizer.
+                tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
                 fused_rate = _try(lambda: _images_per_second(
-                    keras_training_step(model, batch, fuse_batch_norm=True), batch, shape,
-                    args.steps))[0]
-                entry["tensorflow_fused_batch_norm"] = {"batch": batch, "img_per_s": fused_rate}
+                    keras_training_step(model, batch, fuse_batch_norm=args.fuse_batch_norm),
+                    batch, shape, args.steps))[0]
+                entry["tensorflow_fused_batch_norm"] = {
+                    "batch": batch, "kernel": args.fuse_batch_norm, "layout_optimizer": False,
+                    "img_per_s": fused_rate}
                 calibration_rate = fused_rate or rate
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate

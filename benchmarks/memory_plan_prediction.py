@@ -58,8 +58,8 @@ def main():
                         help="budgets as fractions of the unplanned peak")
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[],
                         help="budgets in GiB, besides the fractions")
-    parser.add_argument("--fuse-batch-norm", action="store_true",
-                        help="trace batch normalization as fused kernels")
+    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
+                        choices=["cudnn", "xla"], help="trace batch normalization as fused kernels")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
                         help="when no plan fits whole batches, run the first layers in this "
                         "many micro-batches (tf_ucudnn.memory.plan_keras_step)")

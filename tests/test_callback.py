@@ -205,9 +205,11 @@ def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
     assert all("convolution_op" not in vars(layer) for layer in callback.model.layers)
 
 
-def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after():
+@pytest.mark.parametrize("kernel,op_type", [(True, "FusedBatchNormV3"),
+                                            ("xla", "PartitionedCall")])
+def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after(kernel, op_type):
     plain, plain_history = _fit(_resnet_style, [])
-    callback = MicroBatchCallback(planner=SplittingPlanner(), fuse_batch_norm=True, verbose=0)
+    callback = MicroBatchCallback(planner=SplittingPlanner(), fuse_batch_norm=kernel, verbose=0)
     seen = {}
 
     class Probe(keras.callbacks.Callback):
@@ -220,9 +222,11 @@ def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after():
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(fused.get_weights(), plain.get_weights()):  # moving statistics included
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    assert "FusedBatchNormV3" in seen["types"]
+    assert op_type in seen["types"]
     assert callback.unfused_batch_norm == []
-    assert "batch normalization trained as fused kernels; 0 layer(s)" in callback.summary()
+    name = "cudnn" if kernel is True else kernel
+    assert f"batch normalization trained as fused kernels ({name}); 0 layer(s)" in \
+        callback.summary()
     normalization = [layer for layer in fused.layers
                      if isinstance(layer, keras.layers.BatchNormalization)]
     assert normalization and all("call" not in vars(layer) for layer in normalization)

@@ -152,7 +152,45 @@ def test_a_segment_recomputed_in_one_go_gives_the_same_results():
     assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
 
 
-def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int):
+def test_a_step_with_xla_batch_norm_is_planned_with_the_same_results():
+    step = _fused_conv_batch_norm_step(blocks=4, size=32, channels=16, kernel="xla")
+    peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
+    plan = plan_step_memory(step, int(peak * 0.8), SLOW_LINK)
+    assert plan.decisions.prediction.peak_bytes <= int(peak * 0.8)
+    assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
+
+
+def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
+    from tf_ucudnn.memory.liveness import analyze
+    from tf_ucudnn.memory.performance_model import MemoryDecisions, RecomputeDecision, predict
+    from tf_ucudnn.memory.planner import MemoryPlan, op_times, _recompute_chains
+    from tf_ucudnn.memory.recompute import CLONE, Recompute
+
+    step = _fused_conv_batch_norm_step(blocks=2, size=16, channels=8, kernel="xla")
+    report = analyze(step)
+    operations = step.graph.get_operations()
+    op_ms = op_times(step.graph, SLOW_LINK, None, None)
+    by_name = {t.name: t for t in report.tensors}
+    # The first block's ReLU output, made again through the normalization's XLA call.
+    made, chain = next((name, chain) for name, chain in
+                       _recompute_chains(step.graph, report, op_ms).items()
+                       if operations[by_name[name].producer].type == "Relu")
+    assert "PartitionedCall" in {step.graph.get_operation_by_name(op).type for op in chain.ops}
+    tensor = by_name[made]
+    recompute = RecomputeDecision(made, chain.cost_ms)
+    decisions = MemoryDecisions((), (recompute,), predict(
+        op_ms, report.tensors, SLOW_LINK, (), report.persistent_bytes, [recompute]))
+    readers = tuple(operations[i].name for i in tensor.backward_consumers)
+    plan = MemoryPlan(1 << 40, report, decisions, [], [Recompute(
+        made, readers, operations[tensor.backward_consumers[0] - 1].name, chain.ops)])
+    planned = apply_memory_plan(step, plan)
+    nodes = planned.get_concrete_function().graph.as_graph_def().node
+    assert any(CLONE in node.name and node.op == "PartitionedCall" and
+               node.attr["_XlaMustCompile"].b for node in nodes)
+    assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
+
+
+def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int, kernel: str = "cudnn"):
     """Convolution, fused batch normalization and ReLU blocks, batch 8, with gradients."""
     from tf_ucudnn.batch_norm_fusion import fused_batch_norm
     from training_steps import gradient_step
@@ -163,5 +201,5 @@ def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int):
         layer for _ in range(blocks) for layer in (layers.Conv2D(channels, 3, padding="same"),
                                                    layers.BatchNormalization(), layers.ReLU())] + [
         layers.GlobalAveragePooling2D(), layers.Dense(2)])
-    with fused_batch_norm(model):
+    with fused_batch_norm(model, kernel):
         return gradient_step(model, 8)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import tensorflow as tf
 
-from tf_ucudnn.batch_norm_fusion import fused_batch_norm
+from tf_ucudnn.batch_norm_fusion import fused_batch_norm, kernel_name
 from tf_ucudnn.memory.microbatched_prefix import PrefixError, cut, microbatched_model_call
 from tf_ucudnn.memory.performance_model import BudgetError, DeviceModel
 from tf_ucudnn.memory.planner import MemoryPlan, apply_memory_plan, op_times, plan_step_memory
@@ -60,11 +60,12 @@ class TuningReport:
 
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
-                        fuse_batch_norm: bool = False, micro_batched_until: Optional[str] = None,
-                        micro_batches: int = 1):
+                        fuse_batch_norm: Union[bool, str] = False,
+                        micro_batched_until: Optional[str] = None, micro_batches: int = 1):
     """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
-    with `fuse_batch_norm`, its batch normalization layers traced as fused kernels (a warning
-    names each layer left unfused, and why); with `micro_batched_until`, the layers up to that
+    with `fuse_batch_norm` (True or "cudnn", or "xla"), its batch normalization layers traced as
+    fused kernels (`tf_ucudnn.batch_norm_fusion`; a warning names each layer left unfused, and
+    why); with `micro_batched_until`, the layers up to that
     one run in `micro_batches` micro-batches, made again for the backward pass
     (`tf_ucudnn.memory.microbatched_prefix`)."""
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -83,9 +84,10 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
 
     specs = (tf.TensorSpec([batch_size, *model.input_shape[1:]]),
              tf.TensorSpec([batch_size], tf.int32))
-    if not fuse_batch_norm:
+    kernel = kernel_name(fuse_batch_norm)
+    if kernel is None:
         return step.get_concrete_function(*specs)
-    with fused_batch_norm(model) as left_alone:
+    with fused_batch_norm(model, kernel) as left_alone:
         for unfused in left_alone:
             warnings.warn(f"{unfused.layer}: batch normalization left unfused: {unfused.reason}")
         return step.get_concrete_function(*specs)
@@ -104,7 +106,7 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
 def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
                           budget_bytes: int, model: DeviceModel,
                           step_ms: Optional[Callable[[int], float]] = None,
-                          fuse_batch_norm: bool = False,
+                          fuse_batch_norm: Union[bool, str] = False,
                           micro_batches: Iterable[int] = (4, 8)) -> TuningReport:
     """`tune_batch_size` for a Keras model, each batch planned by `plan_keras_step` (its first
     layers in micro-batches where nothing else fits, as each trial records); `step_ms(batch)`
@@ -156,8 +158,8 @@ class KerasStepPlan:
 
 def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
                     device_model: DeviceModel, step_ms: Optional[float] = None,
-                    fuse_batch_norm: bool = False, micro_batches: Iterable[int] = (4, 8),
-                    cuts: Optional[Iterable[str]] = None,
+                    fuse_batch_norm: Union[bool, str] = False,
+                    micro_batches: Iterable[int] = (4, 8), cuts: Optional[Iterable[str]] = None,
                     trace: Optional[Callable[[Optional[str], int], object]] = None):
     """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
     tf.function with its KerasStepPlan. The step's swaps and recomputations are planned first;
