@@ -52,7 +52,9 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     are then made for each device's part.
 
     `memory_budget` (a ConcreteFunction of a training step only) plans swaps and recomputations
-    so that the step's tensors and variables fit, with `device_model` (a
+    so that the step's tensors and variables fit (with a spatial split: the tensors between
+    the split layers, whole on the default device; each layer's slabs live inside its call, for
+    the call's time, unseen by the plan), with `device_model` (a
     `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
     time of the step without swaps (`step_ms`) to calibrate the op time estimates. A budget that
     cannot be met raises `tf_ucudnn.memory.BudgetError`, saying by how much.
@@ -70,9 +72,6 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     if memory_budget is not None and not is_concrete_function(target):
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
                         f"(got {type(target).__name__})")
-    if memory_budget is not None and splits:
-        raise ValueError("memory_budget plans one device's step; it cannot be combined with "
-                         "spatial_split")
     if splits:
         devices = list(devices) if devices else spatial.default_devices(spatial_split)
         if spatial_split is not None and len(devices) != spatial_split:

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_ucudnn
 from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
-from training_steps import assert_same_step, conv_training_step, gradient_step
+from training_steps import SLOW_LINK, assert_same_step, conv_training_step, gradient_step
 
 DEVICES = ["/CPU:0", "/CPU:1"]
 
@@ -103,11 +103,23 @@ def test_layers_the_split_cannot_serve_are_left_alone_with_the_reason():
     assert any("EXPLICIT padding" in reason for reason in reasons.values())
 
 
+def test_a_memory_budget_plans_the_tensors_between_the_split_layers():
+    step = conv_training_step()
+    _, unplanned = tf_ucudnn.rewrite(step, spatial_split=2, memory_budget=1 << 40,
+                                     device_model=SLOW_LINK)
+    # The slabs are inside the split layers' calls; what the plan sees lies between them.
+    assert unplanned.memory.liveness.function_calls
+    peak = unplanned.memory.decisions.prediction.peak_bytes
+    planned, report = tf_ucudnn.rewrite(step, spatial_split=2, memory_budget=int(peak * 0.85),
+                                        device_model=SLOW_LINK)
+    assert report.memory.swaps or report.memory.recomputes
+    assert report.memory.decisions.prediction.peak_bytes <= peak * 0.85
+    assert_same_step(step, planned.get_concrete_function(), rtol=1e-4, atol=1e-5)
+
+
 def test_bad_split_requests_are_refused():
     step = conv_training_step()
     with pytest.raises(ValueError, match="spatial_split=2 but 3 devices"):
         tf_ucudnn.rewrite(step, spatial_split=2, devices=DEVICES + ["/CPU:2"])
-    with pytest.raises(ValueError, match="cannot be combined with spatial_split"):
-        tf_ucudnn.rewrite(step, spatial_split=2, memory_budget="1GiB")
     with pytest.raises(tf_ucudnn.parallel.SpatialSplitError, match="needs 9 GPUs or logical"):
         tf_ucudnn.rewrite(step, spatial_split=9)

@@ -201,3 +201,20 @@ def test_an_identity_n_output_shares_the_buffer_of_its_own_input():
     # the IdentityN.
     assert [t.name for t in report.tensors] == ["a:0", "b:0", "d:0"]
     assert [op.live_bytes for op in report.ops] == [40, 80, 80, 80]
+
+
+def test_each_device_has_its_own_peak():
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/CPU:0"):
+            a = tf.compat.v1.placeholder(tf.float32, [10], name="a")  # 40 bytes
+        with tf.device("/job:localhost/replica:0/task:0/device:CPU:1"):
+            b = tf.math.square(a, name="b")  # 40
+        tf.math.exp(b, name="c")  # 40, unplaced: where the placer puts it (no GPU: CPU:0)
+    report = analyze(graph)
+    assert [(t.name, t.device) for t in report.tensors] == [
+        ("a:0", "/device:CPU:0"), ("b:0", "/device:CPU:1"), ("c:0", "/device:CPU:0")]
+    # Ops a, b, c: a is held at a and b, c at c, on the first device; b at b and c on the second.
+    assert report.device_peaks() == {"/device:CPU:0": 40, "/device:CPU:1": 40}
+    assert report.peak_bytes == 80  # all devices' tensors together, at op b and at op c
+    assert analyze(_chain()).device_peaks() == {"": 80}

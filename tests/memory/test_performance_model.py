@@ -39,6 +39,27 @@ def test_without_swaps_everything_stays():
     assert prediction.exposed_transfer_ms == 0.0 and prediction.transfer_ms == 0.0
 
 
+def test_each_device_has_its_own_peak():
+    """op0 makes A (100 B) read by op1 and, backward, op5; op1 makes B (80 B, on a second
+    device) read by op2 and, backward, op4; op2 makes C (30 B) read by op3. 1 ms an op."""
+    op_ms = [1.0] * 6
+    tensors = [TensorUse("A", 100, producer=0, consumers=(1, 5), backward_consumers=(5,)),
+               TensorUse("B", 80, producer=1, consumers=(2, 4), backward_consumers=(4,),
+                         device="/GPU:1"),
+               TensorUse("C", 30, producer=2, consumers=(3,))]
+    prediction = predict(op_ms, tensors, LINK, persistent_bytes=7)
+    # The first device holds A and C at op2 (130 B), the second B (80 B); each with the 7 B.
+    assert prediction.peak_bytes == 137 and prediction.peak_device == ""
+    assert prediction.peak_op == 2
+    # Under 120 B a device (not 217 summed), swapping A alone is enough: its copy out ends at
+    # t=2, before C is made, and it comes back after op3, so the first device holds 107 B.
+    plan = plan_memory(op_ms, tensors, LINK, 120, persistent_bytes=7)
+    assert [d.tensor for d in plan.swaps] == ["A"] and plan.recomputes == ()
+    assert plan.prediction.peak_bytes == 107
+    with pytest.raises(BudgetError, match="at op"):
+        plan_memory(op_ms, tensors, LINK, 10, persistent_bytes=7)
+
+
 def test_a_swap_in_started_too_early_saves_nothing():
     op_ms, tensors = _chain()
     # Out during op1 (t=1..2); in right after op1 (t=2..3): back before op2 even starts.

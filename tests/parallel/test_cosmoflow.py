@@ -93,3 +93,40 @@ def test_bad_shapes_and_splits_are_refused():
         deeper(_data(1)[0])  # a third halving of 1 row does not
     with pytest.raises(SpatialSplitError, match="needs 5 GPUs or logical CPUs"):
         SpatialCosmoFlow(**SMALL, spatial_split=5)
+
+
+def test_a_memory_budget_is_met_on_each_device_of_the_split():
+    from tf_ucudnn.memory import BudgetError, analyze
+    from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+    from training_steps import SLOW_LINK, assert_same_step
+
+    tf.keras.utils.set_random_seed(7)
+    model = SpatialCosmoFlow(**SMALL, spatial_split=2)
+    model(tf.zeros([2, 16, 16, 16, 2]))
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    step = step.get_concrete_function(tf.TensorSpec([2, 16, 16, 16, 2]),
+                                      tf.TensorSpec([2], tf.int32))
+    peaks = analyze(step).device_peaks()
+    # Each slab stays on its device from layer to layer; the dense head is on the first.
+    assert set(peaks) == {"/device:CPU:0", "/device:CPU:1"}
+    assert peaks["/device:CPU:1"] < peaks["/device:CPU:0"]
+    unplanned = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction
+    assert unplanned.peak_device == "/device:CPU:0"
+    # Per device, not summed over the devices: only the first device's tensors need a decision.
+    budget = int(unplanned.peak_bytes * 0.95)
+    assert budget < sum(peaks.values())
+    plan = plan_step_memory(step, budget, SLOW_LINK)
+    assert plan.decisions.prediction.peak_bytes <= budget
+    chosen = {d.tensor for d in (*plan.decisions.swaps, *plan.decisions.recomputes)}
+    assert chosen and {t.device for t in plan.liveness.tensors if t.name in chosen} == \
+        {"/device:CPU:0"}
+    assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
+    with pytest.raises(BudgetError, match=r"at op \d+ on /device:CPU:0"):
+        plan_step_memory(step, 1 << 10, SLOW_LINK)

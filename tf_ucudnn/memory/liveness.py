@@ -5,7 +5,9 @@ a topological order, which is also the order TensorFlow's executor mostly follow
 A tensor is held from the start of its producer to the end of its last consumer; a tensor nothing
 reads is held during its producer only, unless the step returns it. Ops that hand on their input's
 buffer (Identity, Reshape, ...) make no new tensor: they extend the life of the one they read.
-Variables are persistent, counted apart; function calls count as one op (listed in the report),
+A graph placed on several devices (a spatial split) has a peak per device: each tensor counts on
+its producer's device, unplaced ops on the one TensorFlow's placer would pick (the first GPU, else
+the CPU). Variables are persistent, counted apart; function calls count as one op (listed in the report),
 so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside them.
 Some GPU kernels allocate buffers of their own while they run (`kernel_scratch_bytes`); each is
 counted as a tensor `<op>:scratch` held during its op only. The steps are planned for the GPU, so
@@ -90,7 +92,7 @@ class StepOp:
     name: str
     type: str
     backward: bool
-    live_bytes: int  # held on the device while it runs
+    live_bytes: int  # held while it runs, on all devices together (see device_peaks)
 
 
 @dataclasses.dataclass
@@ -104,6 +106,15 @@ class LivenessReport:
     @property
     def peak_bytes(self) -> int:
         return max((op.live_bytes for op in self.ops), default=0)
+
+    def device_peaks(self) -> dict[str, int]:
+        """Each device's peak of tensors ("" for a graph on one device)."""
+        live: dict[str, list[int]] = {}
+        for tensor in self.tensors:
+            held = live.setdefault(tensor.device, [0] * len(self.ops))
+            for i in range(tensor.producer, max(tensor.consumers, default=tensor.producer) + 1):
+                held[i] += tensor.bytes
+        return {device: max(held, default=0) for device, held in sorted(live.items())}
 
     @property
     def peak_op(self) -> Optional[str]:
@@ -198,6 +209,20 @@ def _backward_ops(operations) -> list[bool]:
     return backward
 
 
+def _placement(operations):
+    """op -> its device's canonical name; "" for every op of a graph on one device."""
+    def canonical(device: str) -> str:
+        spec = tf.DeviceSpec.from_string(device)
+        return spec.replace(job=None, replica=None, task=None).to_string() if device else ""
+
+    placed = {canonical(op.device) for op in operations}
+    default = "/device:GPU:0" if tf.config.list_logical_devices("GPU") else "/device:CPU:0"
+    devices = (placed - {""}) | ({default} if "" in placed else set())
+    if len(devices) <= 1:
+        return lambda op: ""
+    return lambda op: canonical(op.device) or default
+
+
 def analyze(target) -> LivenessReport:
     """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
     graph, returned = _graph_of(target)
@@ -238,11 +263,13 @@ def analyze(target) -> LivenessReport:
     for name in returned:
         readers[buffers[name]].add(last)
 
+    device_of = _placement(operations)
     tensors, live = [], [0] * len(operations)
     for name, producer in producers.items():
         consumers = sorted(readers[name])
         backward = tuple(c for c in consumers if is_backward[c] and not is_backward[producer])
-        tensors.append(TensorUse(name, sizes[name], producer, tuple(consumers), backward))
+        tensors.append(TensorUse(name, sizes[name], producer, tuple(consumers), backward,
+                                 device_of(operations[producer])))
         for i in range(producer, max(consumers, default=producer) + 1):
             live[i] += sizes[name]
     ops = [StepOp(op.name, op.type, is_backward[i], live[i])

@@ -140,6 +140,7 @@ class TensorUse:
     producer: int
     consumers: tuple[int, ...]
     backward_consumers: tuple[int, ...] = ()
+    device: str = ""  # where its buffer is; each device's peak is its own
 
     def __post_init__(self):
         object.__setattr__(self, "consumers", tuple(sorted(self.consumers)))
@@ -175,12 +176,13 @@ class RecomputeDecision:
 class Prediction:
     step_ms: float
     compute_ms: float
-    peak_bytes: int
+    peak_bytes: int  # on the device with the highest peak, variables included
     peak_op: int  # the op running when the peak is reached
     transfer_ms: float  # copy engines' busy time, hidden or not
     # Per swapped tensor, the first op to start after its copy out ends: the model frees the
     # device buffer there, so the graph must not run that op sooner.
     copied_out_before: tuple[tuple[str, int], ...] = ()
+    peak_device: str = ""  # the device of that peak (TensorUse.device)
 
     @property
     def exposed_transfer_ms(self) -> float:
@@ -193,7 +195,11 @@ class Prediction:
 def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
             swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
             recomputes: Sequence[RecomputeDecision] = ()) -> Prediction:
-    """Step time and peak memory of the ops (in execution order) with these decisions."""
+    """Step time and peak memory of the ops (in execution order) with these decisions.
+
+    The ops run one after another, as on one stream; tensors on different devices (their
+    `device`) count towards their own device's peak, and the highest is the step's. Variables
+    (`persistent_bytes`) count on every device, as each holds the weights it uses."""
     table = _TensorTable.of(tensors)
     by_name = table.by_name
     recomputed_before: dict[int, list[RecomputeDecision]] = {}
@@ -280,7 +286,7 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
                  if d.transient_bytes}
     plain = np.ones(len(tensors), dtype=bool)
     plain[[table.index[name] for name in (*chosen, *recomputed_at)]] = False
-    pieces = []  # (start, end, bytes) of the tensors held in two spans, or briefly
+    pieces, piece_devices = [], []  # (start, end, bytes) of tensors held in two spans, or briefly
     for tensor in (by_name[name] for name in (*chosen, *recomputed_at)):
         last = table.lasts[table.index[tensor.name]]
         if tensor.name in chosen:
@@ -295,10 +301,16 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
             if tensor.name in transient:
                 size, duration = transient[tensor.name]
                 pieces.append((made_at, made_at + duration, size))
+        piece_devices += [table.devices[table.index[tensor.name]]] * \
+            (len(pieces) - len(piece_devices))
     spans = np.array(pieces, dtype=float).reshape(-1, 3)
-    peak, peak_time = _peak(np.concatenate([start[table.producers[plain]], spans[:, 0]]),
-                            np.concatenate([end[table.lasts[plain]], spans[:, 1]]),
-                            np.concatenate([table.sizes[plain], spans[:, 2].astype(np.int64)]))
+    starts = np.concatenate([start[table.producers[plain]], spans[:, 0]])
+    ends = np.concatenate([end[table.lasts[plain]], spans[:, 1]])
+    sizes = np.concatenate([table.sizes[plain], spans[:, 2].astype(np.int64)])
+    devices = np.concatenate([table.devices[plain], np.array(piece_devices, dtype=int)])
+    peak, peak_time, peak_device = max(
+        (*_peak(starts[devices == d], ends[devices == d], sizes[devices == d]), d)
+        for d in range(len(table.device_names)))
     running = np.nonzero((start <= peak_time) & (peak_time < end))[0]
     peak_op = int(running[0]) if len(running) else len(durations) - 1
     compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
@@ -308,7 +320,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
         for name in chosen)
     return Prediction(step_ms=float(end[-1]) if len(end) else 0.0, compute_ms=compute,
                       peak_bytes=peak + persistent_bytes, peak_op=peak_op,
-                      transfer_ms=transfer, copied_out_before=copied_out_before)
+                      transfer_ms=transfer, copied_out_before=copied_out_before,
+                      peak_device=table.device_names[peak_device])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,17 +335,21 @@ class _TensorTable:
     producers: np.ndarray
     lasts: np.ndarray
     sizes: np.ndarray
+    device_names: tuple[str, ...]
+    devices: np.ndarray  # indices into device_names
 
     @classmethod
     def of(cls, tensors: Sequence[TensorUse]) -> "_TensorTable":
         global _last_table
         if _last_table is not None and _last_table.tensors is tensors:
             return _last_table
+        names = tuple(sorted({t.device for t in tensors})) or ("",)
         _last_table = cls(
             tensors, {t.name: t for t in tensors}, {t.name: i for i, t in enumerate(tensors)},
             np.array([t.producer for t in tensors], dtype=int),
             np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
-            np.array([t.bytes for t in tensors], dtype=np.int64))
+            np.array([t.bytes for t in tensors], dtype=np.int64), names,
+            np.array([names.index(t.device) for t in tensors], dtype=int))
         return _last_table
 
 
@@ -544,6 +561,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
         swapped = {d.tensor for d in swaps}
         due = _due(by_name, recomputing.decisions(recomputed, swapped)[0])
         alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
+                        and t.device == prediction.peak_device
                         and (candidates is None or t.name in candidates)
                         and t.name not in swapped and t.name not in recomputed
                         and t.name not in pinned
@@ -552,6 +570,8 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
         options = []
         for i, decision in enumerate(swaps):
             tensor = by_name[decision.tensor]
+            if tensor.device != prediction.peak_device:
+                continue
             first_use = _needed_by(tensor, due)
             # A swapped tensor already back at the peak may come back later instead.
             if decision.prefetch_after < prediction.peak_op < first_use:
@@ -612,6 +632,8 @@ class BudgetError(ValueError):
         super().__init__(
             f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met: "
             f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
-            f"{prediction.peak_op}, {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
+            f"{prediction.peak_op}"
+            + (f" on {prediction.peak_device}" if prediction.peak_device else "")
+            + f", {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
             "kept tensor alive there already swapped or recomputed"
             + (f" (tried: {tried})" if tried else ""))
