@@ -10,8 +10,9 @@ SLOW_LINK = DeviceModel("test", device_to_host=1e9, host_to_device=1e9, memory_b
                         peak_flops=1e12, launch_ms=0.001)
 
 
-def gradient_step(model: tf.keras.Model, batch: int):
-    """The loss and gradients of a model for one batch size, as a ConcreteFunction."""
+def gradient_step(model: tf.keras.Model, batch: int, input_shape=None):
+    """The loss and gradients of a model for one batch size, as a ConcreteFunction; a
+    subclassed model, which has no `input_shape`, needs one given (without the batch)."""
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
@@ -20,7 +21,8 @@ def gradient_step(model: tf.keras.Model, batch: int):
             loss = loss_fn(y, model(x, training=True))
         return loss, tape.gradient(loss, model.trainable_variables)
 
-    return step.get_concrete_function(tf.TensorSpec([batch, *model.input_shape[1:]]),
+    shape = input_shape or model.input_shape[1:]
+    return step.get_concrete_function(tf.TensorSpec([batch, *shape]),
                                       tf.TensorSpec([batch], tf.int32))
 
 

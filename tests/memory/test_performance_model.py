@@ -123,6 +123,25 @@ def test_plan_memory_meets_a_budget_and_says_when_it_cannot():
     assert error.value.shortfall_bytes == 50
 
 
+def test_swaps_too_small_to_pay_for_their_copies_are_dropped_where_the_plan_fits():
+    """A (100 B) and T (2 B) are held from ops 0 and 1 to the backward pass (ops 9 and 8);
+    B (100 B) and C (10 B) are made at ops 3 and 4 and read at once. 1 ms an op."""
+    op_ms = [1.0] * 10
+    tensors = [TensorUse("A", 100, 0, (1, 9), (9,)), TensorUse("T", 2, 1, (2, 8), (8,)),
+               TensorUse("B", 100, 3, (4,)), TensorUse("C", 10, 4, (5,))]
+    assert predict(op_ms, tensors, LINK).peak_bytes == 212
+    # Both swaps hide, so the greedy choice takes them together (peak 110: B and C at op4).
+    both = plan_memory(op_ms, tensors, LINK, budget_bytes=200, min_swap_bytes=0)
+    assert [d.tensor for d in both.swaps] == ["A", "T"] and both.prediction.peak_bytes == 110
+    # T is under min_swap_bytes and the plan fits without it (112 bytes), as fast.
+    plan = plan_memory(op_ms, tensors, LINK, budget_bytes=200, min_swap_bytes=3)
+    assert [d.tensor for d in plan.swaps] == ["A"] and plan.prediction.peak_bytes == 112
+    assert plan.prediction.step_ms == both.prediction.step_ms
+    # Unless the budget needs it.
+    tight = plan_memory(op_ms, tensors, LINK, budget_bytes=110, min_swap_bytes=3)
+    assert [d.tensor for d in tight.swaps] == ["A", "T"]
+
+
 def test_recomputation_frees_memory_at_the_cost_of_compute():
     op_ms, tensors = _chain()
     # A recomputed (0.5 ms) just before op3: gone after op1 (t=2), back at t=3..3.5, op3 ends 4.5.

@@ -95,24 +95,17 @@ def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
 
 
 def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_results():
-    from tf_ucudnn.memory.liveness import analyze
     from tf_ucudnn.memory.performance_model import (MemoryDecisions, RecomputeDecision,
                                                     SwapDecision, predict)
-    from tf_ucudnn.memory.planner import MemoryPlan, op_times, _recompute_chains
+    from tf_ucudnn.memory.planner import MemoryPlan
     from tf_ucudnn.memory.recompute import CLONE, Recompute
     from tf_ucudnn.memory.swap import Swap
 
     step = conv_training_step()
-    report = analyze(step)
-    operations = step.graph.get_operations()
-    op_ms = op_times(step.graph, SLOW_LINK, None, None)
-    by_name = {t.name: t for t in report.tensors}
     # A convolution's output, made again from its input, which is itself swapped.
-    made, chain = next((name, chain) for name, chain in
-                       _recompute_chains(step.graph, report, op_ms).items()
-                       if chain.direct_reads and "Conv2D" in
-                       {operations[by_name[name].producer].type,
-                        *(step.graph.get_operation_by_name(op).type for op in chain.ops)})
+    report, op_ms, by_name, made, chain = _a_recompute_chain(
+        step, lambda producer, chain, ops: chain.direct_reads and "Conv2D" in {producer, *ops})
+    operations = step.graph.get_operations()
     tensor, read = by_name[made], by_name[sorted(chain.direct_reads)[0]]
     prefetch = max(read.last_forward_use, tensor.backward_consumers[0] - 2)
     swap = SwapDecision(read.name, prefetch)
@@ -161,21 +154,16 @@ def test_a_step_with_xla_batch_norm_is_planned_with_the_same_results():
 
 
 def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
-    from tf_ucudnn.memory.liveness import analyze
     from tf_ucudnn.memory.performance_model import MemoryDecisions, RecomputeDecision, predict
-    from tf_ucudnn.memory.planner import MemoryPlan, op_times, _recompute_chains
+    from tf_ucudnn.memory.planner import MemoryPlan
     from tf_ucudnn.memory.recompute import CLONE, Recompute
 
     step = _fused_conv_batch_norm_step(blocks=2, size=16, channels=8, kernel="xla")
-    report = analyze(step)
-    operations = step.graph.get_operations()
-    op_ms = op_times(step.graph, SLOW_LINK, None, None)
-    by_name = {t.name: t for t in report.tensors}
     # The first block's ReLU output, made again through the normalization's XLA call.
-    made, chain = next((name, chain) for name, chain in
-                       _recompute_chains(step.graph, report, op_ms).items()
-                       if operations[by_name[name].producer].type == "Relu")
+    report, op_ms, by_name, made, chain = _a_recompute_chain(
+        step, lambda producer, chain, ops: producer == "Relu")
     assert "PartitionedCall" in {step.graph.get_operation_by_name(op).type for op in chain.ops}
+    operations = step.graph.get_operations()
     tensor = by_name[made]
     recompute = RecomputeDecision(made, chain.cost_ms)
     decisions = MemoryDecisions((), (recompute,), predict(
@@ -188,6 +176,23 @@ def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
     assert any(CLONE in node.name and node.op == "PartitionedCall" and
                node.attr["_XlaMustCompile"].b for node in nodes)
     assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
+
+
+def _a_recompute_chain(step, wanted):
+    """The step's liveness, op times and tensors by name, and the first kept tensor, with its
+    recompute chain, for which `wanted(producer type, chain, chain's op types)` holds."""
+    from tf_ucudnn.memory.liveness import analyze
+    from tf_ucudnn.memory.planner import _recompute_chains, op_times
+
+    report = analyze(step)
+    operations = step.graph.get_operations()
+    op_ms = op_times(step.graph, SLOW_LINK, None, None)
+    by_name = {t.name: t for t in report.tensors}
+    made, chain = next(
+        (name, chain) for name, chain in _recompute_chains(step.graph, report, op_ms).items()
+        if wanted(operations[by_name[name].producer].type, chain,
+                  {step.graph.get_operation_by_name(op).type for op in chain.ops}))
+    return report, op_ms, by_name, made, chain
 
 
 def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int, kernel: str = "cudnn"):

@@ -98,21 +98,12 @@ def test_bad_shapes_and_splits_are_refused():
 def test_a_memory_budget_is_met_on_each_device_of_the_split():
     from tf_ucudnn.memory import BudgetError, analyze
     from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
-    from training_steps import SLOW_LINK, assert_same_step
+    from training_steps import SLOW_LINK, assert_same_step, gradient_step
 
     tf.keras.utils.set_random_seed(7)
     model = SpatialCosmoFlow(**SMALL, spatial_split=2)
     model(tf.zeros([2, 16, 16, 16, 2]))
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    step = step.get_concrete_function(tf.TensorSpec([2, 16, 16, 16, 2]),
-                                      tf.TensorSpec([2], tf.int32))
+    step = gradient_step(model, 2, (16, 16, 16, 2))  # three logits, labels 0 and 1
     peaks = analyze(step).device_peaks()
     # Each slab stays on its device from layer to layer; the dense head is on the first.
     assert set(peaks) == {"/device:CPU:0", "/device:CPU:1"}

@@ -422,7 +422,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                 transient_bytes: Optional[Mapping[str, int]] = None,
                 candidates: Optional[Collection[str]] = None,
                 prefetch_point: Optional[Callable[[TensorUse, int], int]] = None,
-                candidates_per_round: int = 8) -> MemoryDecisions:
+                candidates_per_round: int = 8,
+                min_swap_bytes: Optional[int] = None) -> MemoryDecisions:
     """Swaps and recomputations chosen greedily until the predicted peak fits the budget.
 
     Each round looks at the largest kept tensors alive at the predicted peak and takes, of the
@@ -446,6 +447,11 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     `candidates` limits the choice to these tensors (default: every kept tensor of nonzero
     size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use
     (or before the tensor's last forward use, if there is none).
+
+    Swaps of tensors under `min_swap_bytes` (default: a ten-thousandth of the budget; a batch
+    norm's statistics, scalars), which the greedy choice takes when they cost nothing, are then
+    dropped where the plan fits without them: they free too little to pay for two copies and
+    the ops that order them.
     """
     recomputing = _Recomputing({t.name: t for t in tensors}, recompute_ms or {},
                                recompute_reads or {}, direct_reads or {}, transient_bytes or {})
@@ -462,8 +468,35 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
         except BudgetError as error:
             errors.append(error)
     if plans:
-        return min(plans, key=lambda plan: plan.prediction.step_ms)
+        best = min(plans, key=lambda plan: plan.prediction.step_ms)
+        return _without_small_swaps(best, op_ms, tensors, model, budget_bytes, persistent_bytes,
+                                    budget_bytes // 10_000 if min_swap_bytes is None
+                                    else min_swap_bytes)
     raise min(errors, key=lambda error: error.shortfall_bytes)
+
+
+def _without_small_swaps(plan: MemoryDecisions, op_ms, tensors, model, budget_bytes: int,
+                         persistent_bytes: int, min_swap_bytes: int) -> MemoryDecisions:
+    """The plan less its swaps of tensors under `min_swap_bytes` that no recomputation reads
+    back, all at once if it still fits the budget no slower, else one by one where it does."""
+    by_name = {t.name: t for t in tensors}
+    read_back = {read for d in plan.recomputes for read in d.swapped_reads}
+    small = [d for d in plan.swaps if by_name[d.tensor].bytes < min_swap_bytes
+             and d.tensor not in read_back]
+
+    def without(dropped) -> Optional[MemoryDecisions]:
+        swaps = tuple(d for d in plan.swaps if d not in dropped)
+        prediction = predict(op_ms, tensors, model, swaps, persistent_bytes, plan.recomputes)
+        if prediction.peak_bytes > budget_bytes or \
+                prediction.step_ms > plan.prediction.step_ms + 1e-9:
+            return None
+        return MemoryDecisions(swaps, plan.recomputes, prediction)
+
+    if small and (fewer := without(small)) is not None:
+        return fewer
+    for swap in small:
+        plan = without([swap]) or plan
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)
