@@ -7,8 +7,9 @@ reads is held during its producer only, unless the step returns it. Ops that han
 buffer (Identity, Reshape, ...) make no new tensor: they extend the life of the one they read.
 A graph placed on several devices (a spatial split) has a peak per device: each tensor counts on
 its producer's device, unplaced ops on the one TensorFlow's placer would pick (the first GPU, else
-the CPU). Variables are persistent, counted apart; function calls count as one op (listed in the report),
-so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside them.
+the CPU). Variables are persistent, counted apart; function calls count as one op (listed in the
+report), so inline calls first (`tf_ucudnn.graph.functions.inline_function_calls`) to see inside
+them.
 Some GPU kernels allocate buffers of their own while they run (`kernel_scratch_bytes`); each is
 counted as a tensor `<op>:scratch` held during its op only. The steps are planned for the GPU, so
 these are its kernels' buffers, also when the analysis runs on a CPU.

@@ -479,7 +479,7 @@ def _without_small_swaps(plan: MemoryDecisions, op_ms, tensors, model, budget_by
                          persistent_bytes: int, min_swap_bytes: int) -> MemoryDecisions:
     """The plan less its swaps of tensors under `min_swap_bytes` that no recomputation reads
     back, all at once if it still fits the budget no slower, else one by one where it does."""
-    by_name = {t.name: t for t in tensors}
+    by_name = _TensorTable.of(tensors).by_name
     read_back = {read for d in plan.recomputes for read in d.swapped_reads}
     small = [d for d in plan.swaps if by_name[d.tensor].bytes < min_swap_bytes
              and d.tensor not in read_back]
