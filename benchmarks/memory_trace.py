@@ -4,6 +4,9 @@ records each allocation and release with the op that asked for it, and this repl
     python benchmarks/memory_trace.py --batch 384 --budget-gib 12 --link-gb-s 46 \\
         --memory-limit-gib 16 --fuse-batch-norm --out $OUT/trace_384.json
 
+The step is planned as beyond_memory.py plans it (`plan_keras_step`: swaps, recomputations, and
+the first layers in micro-batches where nothing else fits).
+
 Where the measured peak and the plan's prediction part, the list says which tensors the
 prediction did not expect (Grappler's layout transposes, buffers held by copies, recomputations
 run early). On the CPU, run with TF_CPU_ALLOCATOR_USE_BFC=true.
@@ -73,6 +76,9 @@ def main():
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
     parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
                         choices=["cudnn", "xla"])
+    parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
+                        help="micro-batch counts for the first layers where no plan fits whole "
+                        "batches, as beyond_memory.py plans (tf_ucudnn.memory.plan_keras_step)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gpus = tf.config.list_physical_devices("GPU")
@@ -83,21 +89,23 @@ def main():
 
     # As beyond_memory.py runs planned steps: Grappler's layout copies are not in the plan.
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
-    import tf_ucudnn
     from tf_ucudnn import models
-    from tf_ucudnn.memory import DeviceModel, keras_training_step
+    from tf_ucudnn.memory import DeviceModel, keras_training_step, plan_keras_step
 
     model = models.load_model(args.model)
-    step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
     result = {"benchmark": "memory_trace", "model": args.model, "batch": args.batch,
               "device": device, "budget_gib": args.budget_gib, "link_gb_s": args.link_gb_s,
               "fuse_batch_norm": args.fuse_batch_norm}
     if args.budget_gib:
         link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
-        step, report = tf_ucudnn.rewrite(step, memory_budget=int(args.budget_gib * 2**30),
-                                         device_model=link, step_ms=args.step_ms)
-        result.update(swaps=len(report.memory.swaps), recomputes=len(report.memory.recomputes),
-                      predicted_peak_bytes=report.memory.decisions.prediction.peak_bytes)
+        step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,
+                                       args.step_ms, args.fuse_batch_norm, args.micro_batches)
+        result.update(swaps=len(chosen.plan.swaps), recomputes=len(chosen.plan.recomputes),
+                      micro_batched_until=chosen.micro_batched_until,
+                      micro_batches=chosen.micro_batches,
+                      predicted_peak_bytes=chosen.plan.decisions.prediction.peak_bytes)
+    else:
+        step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
     x = tf.random.stateless_uniform([args.batch, *model.input_shape[1:]], seed=[1, 2])
     y = tf.zeros([args.batch], tf.int32)
     logdir = tempfile.mkdtemp(prefix="memory_trace")
