@@ -53,10 +53,16 @@ def test_a_deeper_than_wide_volume_splits_along_its_depth():
 
 
 def _fit(model, epochs=2):
+    _fit_with(model, [], epochs)
+    return model.get_weights()
+
+
+def _fit_with(model, callbacks, epochs=2):
+    """The losses of each epoch."""
     x, y = _data()
     model.compile(tf.keras.optimizers.SGD(0.05), "mse")
-    model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
-    return model.get_weights()
+    return model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=callbacks).history["loss"]
 
 
 def test_training_steps_equal_the_unsplit_model():
@@ -121,3 +127,33 @@ def test_a_memory_budget_is_met_on_each_device_of_the_split():
     assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
     with pytest.raises(BudgetError, match=r"at op \d+ on /device:CPU:0"):
         plan_step_memory(step, 1 << 10, SLOW_LINK)
+
+
+def test_the_callbacks_memory_budget_is_met_on_each_device_of_the_split():
+    from tf_ucudnn import MicroBatchCallback
+    from training_steps import SLOW_LINK
+
+    def callback(budget):
+        return MicroBatchCallback(planner=lambda layer: "left alone in this test",
+                                  memory_budget=budget, device_model=SLOW_LINK,
+                                  micro_batches=(), verbose=0)
+
+    def fit(callbacks):
+        tf.keras.utils.set_random_seed(2)
+        model = SpatialCosmoFlow(**SMALL, spatial_split=2)
+        return model, _fit_with(model, callbacks)
+
+    probe = callback(1 << 40)
+    fit([probe])
+    unplanned = probe.memory_plan.plan
+    assert set(unplanned.liveness.device_peaks()) == {"/device:CPU:0", "/device:CPU:1"}
+    budget = int(unplanned.decisions.prediction.peak_bytes * 0.9)
+    plain, plain_losses = fit([])
+    planner = callback(budget)
+    planned, losses = fit([planner])
+    memory = planner.memory_plan.plan
+    assert memory.swaps or memory.recomputes
+    assert memory.decisions.prediction.peak_bytes <= budget
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
