@@ -10,10 +10,11 @@ and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's la
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
 at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla]`, tf_ucudnn's steps
-train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`), and plain TensorFlow
-with them at its own largest batch is recorded too, run as the planned steps run (without
-Grappler's layout optimizer): it calibrates the plans' op times, and tells the fusion's share of
-the speed from the plan's.
+train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`). TensorFlow's own
+step is also run at its largest batch the way the planned steps run (without Grappler's layout
+optimizer, batch normalization fused if asked): it calibrates the plans' op times, and tells the
+share of the speed those settings give from the plan's (VGG16's planned steps, without the
+layout optimizer, ran 60% faster than TensorFlow's default step on the H100).
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -191,20 +192,21 @@ def main():
                                        predicted_peak_bytes=predicted)
             if measured:
                 scale = min(1.0, predicted / measured)
-            if args.fuse_batch_norm:
-                # As the planned steps run: fused, and without the layout optimizer (at half
-                # the batch if the kernel's own buffers do not fit at the whole).
-                tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
-                for fused_batch in (batch, batch // 2):
-                    fused_rate = _try(lambda: _images_per_second(keras_training_step(
-                        model, fused_batch, fuse_batch_norm=args.fuse_batch_norm),
-                        fused_batch, shape, args.steps))[0]
-                    if fused_rate:
-                        break
-                entry["tensorflow_fused_batch_norm"] = {
-                    "batch": fused_batch, "kernel": args.fuse_batch_norm,
-                    "layout_optimizer": False, "img_per_s": fused_rate}
-                calibration_rate = fused_rate or rate
+            # TensorFlow's own step as the planned steps run it (without the layout optimizer,
+            # batch normalization fused if asked; at half the batch if that does not fit at the
+            # whole): it calibrates the plans' op times, and tells the share of the speed those
+            # settings give from the plan's.
+            tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+            for as_planned_batch in (batch, batch // 2):
+                as_planned_rate = _try(lambda: _images_per_second(keras_training_step(
+                    model, as_planned_batch, fuse_batch_norm=args.fuse_batch_norm),
+                    as_planned_batch, shape, args.steps))[0]
+                if as_planned_rate:
+                    break
+            entry["tensorflow_as_planned"] = {
+                "batch": as_planned_batch, "fuse_batch_norm": args.fuse_batch_norm,
+                "layout_optimizer": False, "img_per_s": as_planned_rate}
+            calibration_rate = as_planned_rate or rate
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate
         # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to
@@ -225,6 +227,9 @@ def main():
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
+                if entry.get("tensorflow_as_planned", {}).get("img_per_s"):
+                    trial["vs_tensorflow_as_planned"] = \
+                        trial["img_per_s"] / entry["tensorflow_as_planned"]["img_per_s"]
             entry["tf_ucudnn"].append(trial)
             print(name, json.dumps(trial)[:300], flush=True)
             _save(results, name, entry, args.out)  # each trial, lest a time limit lose them all
