@@ -43,3 +43,22 @@ def test_bad_requests_are_refused():
         tf_ucudnn.rewrite(step.graph.as_graph_def(), memory_budget="1GiB", device_model=SLOW_LINK)
     with pytest.raises(ValueError, match="for the default planner"):
         tf_ucudnn.rewrite(step, _split, workspace_limit="64MiB")
+
+
+def test_the_memory_plan_counts_the_workspace_the_convolutions_plans_need():
+    from tf_ucudnn.plan import Algorithm, MicroBatch
+
+    def halves_in_one_mib(layer):
+        batch = layer.batch_size
+        plan = KernelPlan((MicroBatch(batch // 2, Algorithm(0), 1 << 20),
+                           MicroBatch(batch - batch // 2, Algorithm(1), 1 << 19)))
+        return LayerPlan(plan, plan, plan)
+
+    _, report = tf_ucudnn.rewrite(conv_training_step(), halves_in_one_mib,
+                                  memory_budget=1 << 40, device_model=SLOW_LINK)
+    liveness = report.memory.liveness
+    kernels = [op.name for op in liveness.ops if op.type.startswith("Ucudnn")]
+    scratch = {t.name.removesuffix(":scratch"): t.bytes
+               for t in liveness.tensors if t.name.endswith(":scratch")}
+    # Each kernel holds the larger of its micro-batches' workspaces while it runs.
+    assert len(kernels) == 12 and scratch == {name: 1 << 20 for name in kernels}

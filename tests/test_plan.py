@@ -308,3 +308,14 @@ def test_layer_plan_from_json_missing_kernels_are_auto():
     assert plan.forward == KernelPlan()
     assert plan.backprop_input == KernelPlan.of((4, 1))
     assert plan.backprop_filter == KernelPlan()
+
+
+def test_a_plans_workspace_travels_in_json_and_does_not_change_what_it_runs():
+    profiled = KernelPlan((MicroBatch(8, Algorithm(1), 3000), MicroBatch(8, Algorithm(0), 5000)))
+    bare = KernelPlan.of((8, 1), (8, 0))
+    assert profiled == bare and profiled.attrs() == bare.attrs()
+    assert profiled.workspace_bytes == 5000 and bare.workspace_bytes is None
+    again = KernelPlan.from_json(json.loads(json.dumps(profiled.to_json())))
+    assert [mb.workspace_bytes for mb in again.micro_batches] == [3000, 5000]
+    assert bare.to_json() == [{"size": 8, "algorithm": "algo=1"},
+                              {"size": 8, "algorithm": "algo=0"}]

@@ -77,10 +77,17 @@ class Algorithm:
         return self.to_attr()
 
 
+# The workspace a rewritten kernel's plan needs, for the memory planner: an internal attribute
+# (TensorFlow lets a node carry those beside its op's own), as the op's kernel does not read it.
+WORKSPACE_ATTR = "_ucudnn_workspace_bytes"
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
     size: int
     algorithm: Algorithm = Algorithm()
+    # The cuDNN workspace it needs, where profiles tell; what it runs is size and algorithm.
+    workspace_bytes: Optional[int] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
@@ -118,6 +125,13 @@ class KernelPlan:
         return tuple(mb.size for mb in self.micro_batches)
 
     @property
+    def workspace_bytes(self) -> Optional[int]:
+        """The workspace the kernel needs (its micro-batches run one at a time: the largest),
+        None unless every micro-batch's is known."""
+        sizes = [mb.workspace_bytes for mb in self.micro_batches]
+        return max(sizes) if sizes and None not in sizes else None
+
+    @property
     def batch_size(self) -> Optional[int]:
         return sum(self.sizes) if self.micro_batches else None
 
@@ -136,11 +150,14 @@ class KernelPlan:
                          for size, algo in zip(micro_batches, algorithms)))
 
     def to_json(self) -> list:
-        return [{"size": mb.size, "algorithm": mb.algorithm.to_attr()} for mb in self.micro_batches]
+        return [{"size": mb.size, "algorithm": mb.algorithm.to_attr()}
+                | ({} if mb.workspace_bytes is None else {"workspace_bytes": mb.workspace_bytes})
+                for mb in self.micro_batches]
 
     @classmethod
     def from_json(cls, data: Iterable[Mapping]) -> "KernelPlan":
-        return cls(tuple(MicroBatch(int(item["size"]), Algorithm.parse(item["algorithm"]))
+        return cls(tuple(MicroBatch(int(item["size"]), Algorithm.parse(item["algorithm"]),
+                                    item.get("workspace_bytes"))
                          for item in data))
 
     def __str__(self) -> str:

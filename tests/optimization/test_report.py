@@ -37,8 +37,12 @@ def test_per_kernel_limit_report_on_the_measurements(fp32_tables):
 
     data = json.loads(json.dumps(report.to_json()))
     row = next(r for r in data["kernels"] if (r["layer"], r["kernel"]) == ("alexnet.conv2", "fwd"))
-    assert row["micro_batches"] == [{"size": 32, "algorithm": "algo=1,math=default"}] * 8
-    assert row["undivided"]["plan"] == [{"size": 256, "algorithm": "algo=0,math=default"}]
+    # Each micro-batch carries its profiled workspace (here all alike: the configuration's).
+    assert conv2.chosen.workspace_bytes == 43168403
+    assert row["micro_batches"] == [{"size": 32, "algorithm": "algo=1,math=default",
+                                     "workspace_bytes": 43168403}] * 8
+    assert row["undivided"]["plan"] == [{"size": 256, "algorithm": "algo=0,math=default",
+                                         "workspace_bytes": conv2.undivided.workspace_bytes}]
     assert data["speedup"] == pytest.approx(report.speedup)
 
     text = report.to_text()

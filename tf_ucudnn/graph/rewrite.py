@@ -29,7 +29,14 @@ from tf_ucudnn.graph.functions import (
     inline_function_calls,
     is_concrete_function,
 )
-from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
+from tf_ucudnn.plan import (
+    BACKPROP_FILTER,
+    BACKPROP_INPUT,
+    FORWARD,
+    WORKSPACE_ATTR,
+    KernelPlan,
+    LayerPlan,
+)
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
 REPLACEMENTS = {
@@ -99,6 +106,8 @@ class RewriteReport:
 def _replace(node, kernel_plan: KernelPlan, extra: Optional[dict] = None) -> None:
     node.op = REPLACEMENTS[node.op][0]
     node.attr.pop("use_cudnn_on_gpu", None)
+    if kernel_plan.workspace_bytes is not None:
+        node.attr[WORKSPACE_ATTR].i = kernel_plan.workspace_bytes
     attrs = dict(kernel_plan.attrs())
     attrs.update(extra or {})
     for key, value in attrs.items():

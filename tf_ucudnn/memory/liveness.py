@@ -30,6 +30,7 @@ from tensorflow.core.framework import graph_pb2
 
 from tf_ucudnn.graph.functions import is_concrete_function
 from tf_ucudnn.memory.performance_model import TensorUse, tensor_bytes
+from tf_ucudnn.plan import WORKSPACE_ATTR
 
 # Ops whose output is their input's buffer.
 ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot",
@@ -67,12 +68,17 @@ _BATCH_NORMS = {"FusedBatchNorm": 2, "FusedBatchNormV2": 2, "FusedBatchNormV3": 
 
 
 def kernel_scratch_bytes(op: tf.Operation) -> int:
-    """Bytes the op's GPU kernel allocates for itself while it runs. TensorFlow's batch
-    normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
+    """Bytes the op's GPU kernel allocates for itself while it runs.
+
+    A convolution tf_ucudnn's rewrite planned: the cuDNN workspace of its plan, as the profiles
+    give it (TensorFlow's own convolutions choose theirs at run time: not counted). TensorFlow's
+    batch normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
     TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
     output transposed (two activation-sized buffers); backward, the input, the output's gradient
     and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
     such a gradient, four 1.85 GB buffers for one normalization."""
+    if WORKSPACE_ATTR in op.node_def.attr:
+        return op.get_attr(WORKSPACE_ATTR)
     copies = _BATCH_NORMS.get(op.type)
     if copies is None or op.get_attr("data_format") not in (b"NHWC", b"NDHWC") or \
             not op.get_attr("is_training"):

@@ -194,6 +194,7 @@ def _configuration(micro_batches: Sequence[tuple[int, AlgorithmTiming]],
     # Largest micro-batches first: a canonical order (the order does not change time or workspace).
     ordered = sorted(micro_batches, key=lambda mb: (-mb[0], mb[1].algo, mb[1].math))
     return KernelConfiguration(
-        plan=KernelPlan(tuple(MicroBatch(size, t.algorithm) for size, t in ordered)),
+        plan=KernelPlan(tuple(MicroBatch(size, t.algorithm, t.workspace_bytes)
+                              for size, t in ordered)),
         time_ms=float(sum(t.time_ms + call_overhead_ms for _, t in ordered)),
         workspace_bytes=max(t.workspace_bytes for _, t in ordered))
