@@ -21,9 +21,11 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COMMON_SOURCES = ["cc/ops/conv_ops.cc", "cc/ops/profile_ops.cc", "cc/kernels/conv_geometry.cc",
-                  "cc/kernels/micro_batch_plan.cc", "cc/kernels/conv_cpu.cc"]
-GPU_SOURCES = ["cc/kernels/conv_gpu.cc", "cc/kernels/profile_gpu.cc", "cc/kernels/cudnn_support.cc"]
+COMMON_SOURCES = ["cc/ops/conv_ops.cc", "cc/ops/profile_ops.cc", "cc/ops/batch_norm_ops.cc",
+                  "cc/kernels/conv_geometry.cc", "cc/kernels/micro_batch_plan.cc",
+                  "cc/kernels/conv_cpu.cc", "cc/kernels/batch_norm_cpu.cc"]
+GPU_SOURCES = ["cc/kernels/conv_gpu.cc", "cc/kernels/profile_gpu.cc", "cc/kernels/cudnn_support.cc",
+               "cc/kernels/batch_norm_gpu.cc"]
 CUDA_SOURCES = ["cc/kernels/strided_copy.cu.cc"]
 DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
 

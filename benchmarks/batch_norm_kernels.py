@@ -1,4 +1,4 @@
-"""Training batch normalization on a channels-last float32 activation, three ways, forward and
+"""Training batch normalization on a channels-last float32 activation, four ways, forward and
 backward: time per step and the GPU memory held beyond the input, side by side in one run.
 
     python benchmarks/batch_norm_kernels.py --shape 192 56 56 256 --out $OUT/bn.json
@@ -11,6 +11,8 @@ backward: time per step and the GPU memory held beyond the input, side by side i
   1604.8 with the transposes, both with Grappler's layout optimizer).
 - xla: tf_ucudnn.batch_norm_fusion's "xla" kernel: the moments, the normalization and the
   written-out gradient, each way one XLA computation over the channels-last input.
+- ucudnn: its "ucudnn" kernel, tf_ucudnn's own op: cuDNN's batch normalization on the NHWC
+  descriptor (persistent spatial mode), one call each way.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ def xla(x, scale, offset):
     return KERNELS["xla"](x, scale, offset, MIN_EPSILON)[0]
 
 
-VARIANTS = {"fused_nhwc": fused_nhwc, "fused_rows": fused_rows, "xla": xla}
+def ucudnn(x, scale, offset):
+    return KERNELS["ucudnn"](x, scale, offset, MIN_EPSILON)[0]
+
+
+VARIANTS = {"fused_nhwc": fused_nhwc, "fused_rows": fused_rows, "xla": xla, "ucudnn": ucudnn}
 
 
 def measure(name: str, shape, steps: int) -> dict:

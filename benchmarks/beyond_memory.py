@@ -9,8 +9,9 @@ The cap is a logical GPU with `memory_limit` (the size of the GPUs in the SuperN
 and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's largest batch, each
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
-at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla]`, tf_ucudnn's steps
-train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`). TensorFlow's own
+at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla|ucudnn]`,
+tf_ucudnn's steps train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`).
+TensorFlow's own
 step is also run at its largest batch the way the planned steps run (without Grappler's layout
 optimizer, batch normalization fused if asked): it calibrates the plans' op times, and tells the
 share of the speed those settings give from the plan's (VGG16's planned steps, without the
@@ -139,7 +140,8 @@ def main():
     parser.add_argument("--factors", type=float, nargs="+", default=[4, 3, 2.5, 2, 1.5],
                         help="tf_ucudnn's batches, as multiples of TensorFlow's largest, tried in "
                         "turn until one trains")
-    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn", choices=["cudnn", "xla"],
+    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
+                        choices=["cudnn", "xla", "ucudnn"],
                         help="tf_ucudnn's steps train batch normalization with this fused "
                         "kernel (tf_ucudnn.batch_norm_fusion; cudnn if none is named)")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],

@@ -59,7 +59,8 @@ def main():
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[],
                         help="budgets in GiB, besides the fractions")
     parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
-                        choices=["cudnn", "xla"], help="trace batch normalization as fused kernels")
+                        choices=["cudnn", "xla", "ucudnn"],
+                        help="trace batch normalization as fused kernels")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
                         help="when no plan fits whole batches, run the first layers in this "
                         "many micro-batches (tf_ucudnn.memory.plan_keras_step)")

@@ -75,7 +75,7 @@ def main():
     parser.add_argument("--step-ms", type=float, help="the unplanned step's time, if measured")
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
     parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
-                        choices=["cudnn", "xla"])
+                        choices=["cudnn", "xla", "ucudnn"])
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers where no plan fits whole "
                         "batches, as beyond_memory.py plans (tf_ucudnn.memory.plan_keras_step)")

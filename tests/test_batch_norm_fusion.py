@@ -30,7 +30,7 @@ def _train_step(model, x, y):
 @pytest.mark.parametrize("shape,conv", [((6, 6, 3), keras.layers.Conv2D),
                                         ((4, 4, 4, 2), keras.layers.Conv3D)])
 @pytest.mark.parametrize("options", [{}, {"center": False, "scale": False, "momentum": 0.5}])
-@pytest.mark.parametrize("kernel", ["cudnn", "xla"])
+@pytest.mark.parametrize("kernel", ["cudnn", "xla", "ucudnn"])
 def test_fused_training_matches_keras(shape, conv, options, kernel):
     x = tf.random.stateless_normal([5, *shape], seed=[1, 2])
     y = tf.random.stateless_normal([5, 2], seed=[3, 4])
@@ -44,6 +44,8 @@ def test_fused_training_matches_keras(shape, conv, options, kernel):
     types = {op.type for op in ops}
     if kernel == "cudnn":
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= types
+    elif kernel == "ucudnn":
+        assert {"UcudnnBatchNorm", "UcudnnBatchNormGrad"} <= types
     else:  # one XLA computation each way, and no moment ops
         compiled = [op for op in ops if op.type == "PartitionedCall"
                     and op.node_def.attr["_XlaMustCompile"].b]
@@ -91,7 +93,7 @@ def test_layers_it_cannot_fuse_are_named_with_the_reason():
                               keras.layers.Flatten(), keras.layers.Dense(1)])
     with pytest.warns(UserWarning, match="left unfused: inputs of rank 3"):
         keras_training_step(model, 2, loss=keras.losses.MeanSquaredError(), fuse_batch_norm=True)
-    with pytest.raises(ValueError, match="fuse_batch_norm='fast': the kernels are cudnn, xla"):
+    with pytest.raises(ValueError, match="fuse_batch_norm='fast': the kernels are cudnn, xla, "):
         keras_training_step(model, 2, fuse_batch_norm="fast")
     with fused_batch_norm(model) as left_alone:
         pass

@@ -206,7 +206,8 @@ def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
 
 
 @pytest.mark.parametrize("kernel,op_type", [(True, "FusedBatchNormV3"),
-                                            ("xla", "PartitionedCall")])
+                                            ("xla", "PartitionedCall"),
+                                            ("ucudnn", "UcudnnBatchNorm")])
 def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after(kernel, op_type):
     plain, plain_history = _fit(_resnet_style, [])
     callback = MicroBatchCallback(planner=SplittingPlanner(), fuse_batch_norm=kernel, verbose=0)

@@ -11,8 +11,12 @@ TensorFlow runs float32 channels-last input through cuDNN in NCHW, with transpos
 forward, three backward; `tf_ucudnn.memory.liveness.kernel_scratch_bytes` counts them). Keras's
 ops hold about as much: both predict 16.44 GB for ResNet-50 at batch 192.
 
-`fused_batch_norm(model)` switches a model's BatchNormalization layers while a training step is
-traced, and says which layers it left as they are, and why.
+Kernels: "cudnn", TensorFlow's FusedBatchNormV3; "xla", the same arithmetic as one XLA
+computation each way on the input as it is; "ucudnn", tf_ucudnn's own op (`ops.batch_norm`),
+cuDNN's batch normalization on an NHWC descriptor, without the copies.
+
+`fused_batch_norm(model, kernel)` switches a model's BatchNormalization layers while a training
+step is traced, and says which layers it left as they are, and why.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Iterator, Optional
 
 import keras
 import tensorflow as tf
+
+from tf_ucudnn import ops
 
 # cuDNN refuses a smaller epsilon (CUDNN_BN_MIN_EPSILON, with TensorFlow's margin).
 MIN_EPSILON = 1.001e-5
@@ -98,7 +104,16 @@ def _xla_normalization(x, scale, offset, epsilon):
     return normalize(x, scale, offset)
 
 
-KERNELS = {"cudnn": _cudnn_normalization, "xla": _xla_normalization}
+def _ucudnn_normalization(x, scale, offset, epsilon):
+    """y, the batch's mean and its biased variance, by tf_ucudnn's own op: cuDNN's batch
+    normalization on the channels-last tensor as it is, so no transposed copies."""
+    y, mean, inv_std = ops.batch_norm(x, scale, offset, epsilon)
+    variance = tf.math.reciprocal(tf.square(inv_std)) - epsilon
+    return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+KERNELS = {"cudnn": _cudnn_normalization, "xla": _xla_normalization,
+           "ucudnn": _ucudnn_normalization}
 
 
 def kernel_name(fuse_batch_norm) -> Optional[str]:
@@ -136,9 +151,9 @@ def _batch_norm_layers(model: keras.Model) -> list:
 
 @contextlib.contextmanager
 def fused_batch_norm(model: keras.Model, kernel: str = "cudnn") -> Iterator[list[UnfusedLayer]]:
-    """While open, the model's BatchNormalization layers train with the fused kernel ("cudnn"
-    or "xla"); yields the layers left as they are (known from their built input shape), with
-    the reason."""
+    """While open, the model's BatchNormalization layers train with the fused kernel ("cudnn",
+    "xla" or "ucudnn"); yields the layers left as they are (known from their built input
+    shape), with the reason."""
     normalization = KERNELS[kernel_name(kernel)]
     switched, left_alone = [], []
     for layer in _batch_norm_layers(model):

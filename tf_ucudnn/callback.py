@@ -73,8 +73,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
       device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
         if not given).
       fuse_batch_norm: train the BatchNormalization layers as fused kernels, True or "cudnn"
-        (TensorFlow's FusedBatchNormV3), or "xla" (`tf_ucudnn.batch_norm_fusion`): the same
-        results, one kernel each way, and on the GPU a faster step (ResNet-50 on an H100 with
+        (TensorFlow's FusedBatchNormV3), "xla" or "ucudnn" (`tf_ucudnn.batch_norm_fusion`): the
+        same results, one kernel each way, and on the GPU a faster step (ResNet-50 on an H100 with
         cuDNN's: 1604.8 img/s against 818.1). The layers it cannot fuse are listed in
         `unfused_batch_norm` with the reason.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.

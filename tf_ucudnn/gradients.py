@@ -1,7 +1,9 @@
 """Gradients of the micro-batched ops, following TensorFlow's own (tensorflow/python/ops/nn_grad.py).
 
 The gradient of a forward op runs the two backprop ops with the plans the forward op carries for
-them. Second-order gradients (of the backprop ops) use plans chosen at run time.
+them. Second-order gradients (of the backprop ops) use plans chosen at run time. The batch
+normalization's gradient is its own op; its statistics feed moving averages only, so no gradient
+flows back through them.
 """
 
 import tensorflow as tf
@@ -68,3 +70,11 @@ for _num_spatial in (2, 3):
         _backprop_input_grad(_num_spatial))
     tf.RegisterGradient(f"UcudnnConv{_num_spatial}DBackpropFilter")(
         _backprop_filter_grad(_num_spatial))
+
+
+@tf.RegisterGradient("UcudnnBatchNorm")
+def _batch_norm_grad(op, dy, _mean_grad, _inv_std_grad):
+    x, scale, _ = op.inputs
+    _, saved_mean, saved_inv_std = op.outputs
+    return list(_ops.ucudnn_batch_norm_grad(dy, x, scale, saved_mean, saved_inv_std,
+                                            epsilon=op.get_attr("epsilon")))

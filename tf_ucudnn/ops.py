@@ -153,3 +153,11 @@ def conv3d_backprop_filter(input, filter_sizes, out_backprop, strides, padding: 
                            plan: Optional[KernelPlan] = None, name: Optional[str] = None):
     return _backprop(_ops.ucudnn_conv3d_backprop_filter, 3, input, filter_sizes, out_backprop,
                      strides, padding, data_format, dilations, plan, name)
+
+
+def batch_norm(x, scale, offset, epsilon: float = 1e-3, name: Optional[str] = None):
+    """Training batch normalization of a channels-last 4-D or 5-D float32 tensor: (y, the
+    batch's mean, 1 / sqrt(its biased variance + epsilon)); differentiable in x, scale and
+    offset. On the GPU, cuDNN's on the tensor as it is (FusedBatchNormV3 transposes float32
+    NHWC to NCHW and back)."""
+    return _ops.ucudnn_batch_norm(x, scale, offset, epsilon=epsilon, name=name)

@@ -63,10 +63,11 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
                         fuse_batch_norm: Union[bool, str] = False,
                         micro_batched_until: Optional[str] = None, micro_batches: int = 1):
     """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
-    with `fuse_batch_norm` (True or "cudnn", or "xla"), its batch normalization layers traced as
-    fused kernels (`tf_ucudnn.batch_norm_fusion`; a warning names each layer left unfused, and
-    why); with `micro_batched_until`, the layers up to that one run in `micro_batches`
-    micro-batches, made again for the backward pass (`tf_ucudnn.memory.microbatched_prefix`)."""
+    with `fuse_batch_norm` (True or "cudnn", "xla", "ucudnn"), its batch normalization layers
+    traced as fused kernels (`tf_ucudnn.batch_norm_fusion`; a warning names each layer left
+    unfused, and why); with `micro_batched_until`, the layers up to that one run in
+    `micro_batches` micro-batches, made again for the backward pass
+    (`tf_ucudnn.memory.microbatched_prefix`)."""
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
