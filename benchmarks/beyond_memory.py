@@ -199,7 +199,7 @@ def main():
             # whole): it calibrates the plans' op times, and tells the share of the speed those
             # settings give from the plan's.
             tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
-            for as_planned_batch in (batch, batch // 2):
+            for as_planned_batch in (batch, batch // 2)[:2 if batch > 1 else 1]:
                 as_planned_rate = _try(lambda: _images_per_second(keras_training_step(
                     model, as_planned_batch, fuse_batch_norm=args.fuse_batch_norm),
                     as_planned_batch, shape, args.steps))[0]
