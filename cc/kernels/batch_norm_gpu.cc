@@ -15,42 +15,44 @@ namespace {
 
 using GPUDevice = Eigen::GpuDevice;
 
-// x's descriptor ([N, C, spatial...] stored channels-last) and the per-channel one.
-struct BatchNormDescriptors {
-  TensorDescriptor x;
-  TensorDescriptor channels;
+constexpr float kOne = 1.0f, kZero = 0.0f;
 
-  absl::Status Init(const BatchNormShape& shape) {
+// What one cuDNN batch normalization call holds: x's device current, that stream's cuDNN handle,
+// x's descriptor ([N, C, spatial...] stored channels-last) and the per-channel one.
+class BatchNormCall {
+ public:
+  absl::Status Enter(tensorflow::OpKernelContext* ctx, const float* x,
+                     const BatchNormShape& shape) {
+    int ordinal = 0;
+    TF_RETURN_IF_ERROR(DeviceOfPointer(x, &ordinal));
+    TF_RETURN_IF_ERROR(device_.Enter(ordinal));
+    TF_RETURN_IF_ERROR(AcquireCudnnHandle(ordinal, ctx->eigen_gpu_device().stream(), &handle_));
     std::vector<int64_t> dims = {shape.dims.front(), shape.channels};
     dims.insert(dims.end(), shape.dims.begin() + 1, shape.dims.end() - 1);
-    TF_RETURN_IF_ERROR(x.Init(CUDNN_DATA_FLOAT, /*channels_last=*/true, dims));
+    TF_RETURN_IF_ERROR(x_.Init(CUDNN_DATA_FLOAT, /*channels_last=*/true, dims));
     std::vector<int64_t> per_channel(dims.size(), 1);
     per_channel[1] = shape.channels;
-    return channels.Init(CUDNN_DATA_FLOAT, /*channels_last=*/false, per_channel);
+    return channels_.Init(CUDNN_DATA_FLOAT, /*channels_last=*/false, per_channel);
   }
-};
 
-// Runs `call(mode)` in the persistent spatial mode, or in the plain one where cuDNN does not
-// take the shape in the first.
-template <typename Call>
-absl::Status WithSpatialMode(Call call, const char* what) {
-  cudnnStatus_t status = call(CUDNN_BATCHNORM_SPATIAL_PERSISTENT);
-  if (status == CUDNN_STATUS_NOT_SUPPORTED) status = call(CUDNN_BATCHNORM_SPATIAL);
-  TF_UCUDNN_RETURN_IF_CUDNN_ERROR(status, what);
-  return absl::OkStatus();
-}
-
-// The scope a call holds: x's device current, and that stream's cuDNN handle.
-struct CudnnCallScope {
-  ScopedCudaDevice device;
-  CudnnHandleLease handle;
-
-  absl::Status Enter(tensorflow::OpKernelContext* ctx, const void* on_device) {
-    int ordinal = 0;
-    TF_RETURN_IF_ERROR(DeviceOfPointer(on_device, &ordinal));
-    TF_RETURN_IF_ERROR(device.Enter(ordinal));
-    return AcquireCudnnHandle(ordinal, ctx->eigen_gpu_device().stream(), &handle);
+  // Runs `call(handle, mode, x's descriptor, the per-channel one)` in the persistent spatial
+  // mode, or in the plain one where cuDNN does not take the shape in the first.
+  template <typename Call>
+  absl::Status Run(Call call, const char* what) {
+    cudnnStatus_t status =
+        call(handle_.get(), CUDNN_BATCHNORM_SPATIAL_PERSISTENT, x_.get(), channels_.get());
+    if (status == CUDNN_STATUS_NOT_SUPPORTED) {
+      status = call(handle_.get(), CUDNN_BATCHNORM_SPATIAL, x_.get(), channels_.get());
+    }
+    TF_UCUDNN_RETURN_IF_CUDNN_ERROR(status, what);
+    return absl::OkStatus();
   }
+
+ private:
+  ScopedCudaDevice device_;
+  CudnnHandleLease handle_;
+  TensorDescriptor x_;
+  TensorDescriptor channels_;
 };
 
 }  // namespace
@@ -59,18 +61,15 @@ template <>
 absl::Status BatchNormLauncher<GPUDevice>::Forward(
     tensorflow::OpKernelContext* ctx, const BatchNormShape& shape, float epsilon, const float* x,
     const float* scale, const float* offset, float* y, float* saved_mean, float* saved_inv_std) {
-  CudnnCallScope scope;
-  TF_RETURN_IF_ERROR(scope.Enter(ctx, x));
-  BatchNormDescriptors descriptors;
-  TF_RETURN_IF_ERROR(descriptors.Init(shape));
-  const float one = 1.0f, zero = 0.0f;
-  return WithSpatialMode(
-      [&](cudnnBatchNormMode_t mode) {
+  BatchNormCall call;
+  TF_RETURN_IF_ERROR(call.Enter(ctx, x, shape));
+  return call.Run(
+      [&](cudnnHandle_t handle, cudnnBatchNormMode_t mode, cudnnTensorDescriptor_t x_desc,
+          cudnnTensorDescriptor_t channels_desc) {
         // No running averages: Keras keeps its own from the batch's statistics.
         return cudnnBatchNormalizationForwardTraining(
-            scope.handle.get(), mode, &one, &zero, descriptors.x.get(), x, descriptors.x.get(),
-            y, descriptors.channels.get(), scale, offset, 1.0, nullptr, nullptr, epsilon,
-            saved_mean, saved_inv_std);
+            handle, mode, &kOne, &kZero, x_desc, x, x_desc, y, channels_desc, scale, offset,
+            1.0, nullptr, nullptr, epsilon, saved_mean, saved_inv_std);
       },
       "cudnnBatchNormalizationForwardTraining");
 }
@@ -80,17 +79,15 @@ absl::Status BatchNormLauncher<GPUDevice>::Backward(
     tensorflow::OpKernelContext* ctx, const BatchNormShape& shape, float epsilon,
     const float* dy, const float* x, const float* scale, const float* saved_mean,
     const float* saved_inv_std, float* dx, float* scale_backprop, float* offset_backprop) {
-  CudnnCallScope scope;
-  TF_RETURN_IF_ERROR(scope.Enter(ctx, x));
-  BatchNormDescriptors descriptors;
-  TF_RETURN_IF_ERROR(descriptors.Init(shape));
-  const float one = 1.0f, zero = 0.0f;
-  return WithSpatialMode(
-      [&](cudnnBatchNormMode_t mode) {
+  BatchNormCall call;
+  TF_RETURN_IF_ERROR(call.Enter(ctx, x, shape));
+  return call.Run(
+      [&](cudnnHandle_t handle, cudnnBatchNormMode_t mode, cudnnTensorDescriptor_t x_desc,
+          cudnnTensorDescriptor_t channels_desc) {
         return cudnnBatchNormalizationBackward(
-            scope.handle.get(), mode, &one, &zero, &one, &zero, descriptors.x.get(), x,
-            descriptors.x.get(), dy, descriptors.x.get(), dx, descriptors.channels.get(), scale,
-            scale_backprop, offset_backprop, epsilon, saved_mean, saved_inv_std);
+            handle, mode, &kOne, &kZero, &kOne, &kZero, x_desc, x, x_desc, dy, x_desc, dx,
+            channels_desc, scale, scale_backprop, offset_backprop, epsilon, saved_mean,
+            saved_inv_std);
       },
       "cudnnBatchNormalizationBackward");
 }

@@ -58,39 +58,53 @@ inline absl::Status ReadBatchNormShape(const tensorflow::Tensor& x,
   return absl::OkStatus();
 }
 
-template <typename Device>
-class UcudnnBatchNormOp : public tensorflow::OpKernel {
+// What the two ops share: the epsilon attribute, and outputs shaped like x then two
+// per-channel vectors.
+class BatchNormOpBase : public tensorflow::OpKernel {
  public:
-  explicit UcudnnBatchNormOp(tensorflow::OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit BatchNormOpBase(tensorflow::OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
   }
+
+ protected:
+  static absl::Status AllocateOutputs(tensorflow::OpKernelContext* ctx,
+                                      const tensorflow::TensorShape& x,
+                                      const BatchNormShape& shape, float* outputs[3]) {
+    const tensorflow::TensorShape vector({shape.channels});
+    for (int i = 0; i < 3; ++i) {
+      tensorflow::Tensor* output = nullptr;
+      TF_RETURN_IF_ERROR(ctx->allocate_output(i, i == 0 ? x : vector, &output));
+      outputs[i] = output->flat<float>().data();
+    }
+    return absl::OkStatus();
+  }
+
+  float epsilon_ = 0;
+};
+
+template <typename Device>
+class UcudnnBatchNormOp : public BatchNormOpBase {
+ public:
+  using BatchNormOpBase::BatchNormOpBase;
 
   void Compute(tensorflow::OpKernelContext* ctx) override {
     const tensorflow::Tensor& x = ctx->input(0);
     BatchNormShape shape;
     OP_REQUIRES_OK(ctx, ReadBatchNormShape(x, {&ctx->input(1), &ctx->input(2)}, &shape));
-    tensorflow::Tensor *y, *mean, *inv_std;
-    const tensorflow::TensorShape vector({shape.channels});
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, vector, &mean));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, vector, &inv_std));
+    float* y_mean_inv_std[3];
+    OP_REQUIRES_OK(ctx, AllocateOutputs(ctx, x.shape(), shape, y_mean_inv_std));
     OP_REQUIRES_OK(ctx, BatchNormLauncher<Device>::Forward(
                             ctx, shape, epsilon_, x.flat<float>().data(),
                             ctx->input(1).flat<float>().data(),
-                            ctx->input(2).flat<float>().data(), y->flat<float>().data(),
-                            mean->flat<float>().data(), inv_std->flat<float>().data()));
+                            ctx->input(2).flat<float>().data(), y_mean_inv_std[0],
+                            y_mean_inv_std[1], y_mean_inv_std[2]));
   }
-
- private:
-  float epsilon_ = 0;
 };
 
 template <typename Device>
-class UcudnnBatchNormGradOp : public tensorflow::OpKernel {
+class UcudnnBatchNormGradOp : public BatchNormOpBase {
  public:
-  explicit UcudnnBatchNormGradOp(tensorflow::OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
-  }
+  using BatchNormOpBase::BatchNormOpBase;
 
   void Compute(tensorflow::OpKernelContext* ctx) override {
     const tensorflow::Tensor& dy = ctx->input(0);
@@ -102,21 +116,15 @@ class UcudnnBatchNormGradOp : public tensorflow::OpKernel {
     BatchNormShape shape;
     OP_REQUIRES_OK(ctx, ReadBatchNormShape(
                             x, {&ctx->input(2), &ctx->input(3), &ctx->input(4)}, &shape));
-    tensorflow::Tensor *dx, *d_scale, *d_offset;
-    const tensorflow::TensorShape vector({shape.channels});
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &dx));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, vector, &d_scale));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, vector, &d_offset));
+    float* dx_d_scale_d_offset[3];
+    OP_REQUIRES_OK(ctx, AllocateOutputs(ctx, x.shape(), shape, dx_d_scale_d_offset));
     OP_REQUIRES_OK(ctx, BatchNormLauncher<Device>::Backward(
                             ctx, shape, epsilon_, dy.flat<float>().data(),
                             x.flat<float>().data(), ctx->input(2).flat<float>().data(),
                             ctx->input(3).flat<float>().data(),
-                            ctx->input(4).flat<float>().data(), dx->flat<float>().data(),
-                            d_scale->flat<float>().data(), d_offset->flat<float>().data()));
+                            ctx->input(4).flat<float>().data(), dx_d_scale_d_offset[0],
+                            dx_d_scale_d_offset[1], dx_d_scale_d_offset[2]));
   }
-
- private:
-  float epsilon_ = 0;
 };
 
 }  // namespace tf_ucudnn
