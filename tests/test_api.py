@@ -19,7 +19,8 @@ def _split(layer):
 
 def test_convolutions_and_memory_planned_together_give_the_same_step():
     step = conv_training_step()
-    _, unplanned = tf_ucudnn.rewrite(step, memory_budget=1 << 40, device_model=SLOW_LINK)
+    _, unplanned = tf_ucudnn.rewrite(step, _split, memory_budget=1 << 40,
+                                     device_model=SLOW_LINK)
     peak = unplanned.memory.decisions.prediction.peak_bytes
     rewritten, report = tf_ucudnn.rewrite(step, _split, memory_budget=int(peak * 0.85),
                                           device_model=SLOW_LINK)

@@ -218,3 +218,51 @@ def test_each_device_has_its_own_peak():
     assert report.device_peaks() == {"/device:CPU:0": 40, "/device:CPU:1": 40}
     assert report.peak_bytes == 80  # all devices' tensors together, at op b and at op c
     assert analyze(_chain()).device_peaks() == {"": 80}
+
+
+def _convolution_scratch(window, strides, padding, shape=(2, 8, 8, 4), filters=6):
+    """`<op type>: scratch bytes` of one convolution's training step (forward and gradients)."""
+    x = tf.random.normal(shape)
+    kernel = tf.random.normal([*window, shape[-1], filters])
+    conv = tf.nn.conv2d if len(shape) == 4 else tf.nn.conv3d
+
+    @tf.function
+    def step(x, kernel):
+        with tf.GradientTape() as tape:
+            tape.watch([x, kernel])
+            y = conv(x, kernel, [1, *strides, 1], padding)
+        return tape.gradient(y, [x, kernel])
+
+    report = analyze(step.get_concrete_function(x, kernel))
+    types = {op.name: op.type for op in report.ops}
+    return {types[t.name[:-len(":scratch")]]: t.bytes for t in report.tensors
+            if t.name.endswith(":scratch")}
+
+
+def test_the_gradient_of_a_convolution_input_holds_a_second_buffer_of_its_size():
+    # x: 2x8x8x4 floats = 2048 bytes. cuDNN computes channels-last (TF32 allowed), so only the
+    # input's gradient is made twice.
+    assert _convolution_scratch((3, 3), (1, 1), "SAME") == {"Conv2DBackpropInput": 2048}
+    assert _convolution_scratch((1, 1, 1), (1, 1, 1), "VALID", shape=(2, 3, 8, 8, 4)) == {}
+    assert _convolution_scratch((3, 3, 3), (1, 1, 1), "SAME", shape=(2, 3, 8, 8, 4)) == \
+        {"Conv3DBackpropInputV2": 3 * 2048}
+    # A 1x1 convolution with unit strides is a matrix product; with stride 2 it is not.
+    assert _convolution_scratch((1, 1), (1, 1), "VALID") == {}
+    assert _convolution_scratch((1, 1), (2, 2), "VALID") == {"Conv2DBackpropInput": 2048}
+
+
+def test_an_uneven_same_padding_pads_a_copy_of_the_input():
+    # 3x3, stride 2, on 8 rows: 1 row of padding in all, at the bottom only.
+    assert _convolution_scratch((3, 3), (2, 2), "SAME") == {
+        "Conv2D": 2048, "Conv2DBackpropInput": 2 * 2048, "Conv2DBackpropFilter": 2048}
+
+
+def test_without_tf32_channels_last_convolutions_are_transposed_around_cudnn():
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        # x is 2048 bytes, y (6 channels, SAME) 3072.
+        assert _convolution_scratch((3, 3), (1, 1), "SAME") == {
+            "Conv2D": 2048 + 3072, "Conv2DBackpropInput": 3072 + 2048,
+            "Conv2DBackpropFilter": 2048 + 3072}
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)

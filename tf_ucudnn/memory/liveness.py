@@ -76,9 +76,12 @@ def kernel_scratch_bytes(op: tf.Operation) -> int:
     TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
     output transposed (two activation-sized buffers); backward, the input, the output's gradient
     and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
-    such a gradient, four 1.85 GB buffers for one normalization."""
+    such a gradient, four 1.85 GB buffers for one normalization. TensorFlow's convolutions: see
+    `_tensorflow_convolution_copies`."""
     if WORKSPACE_ATTR in op.node_def.attr:
         return op.get_attr(WORKSPACE_ATTR)
+    if op.type in _CONVOLUTIONS:
+        return _tensorflow_convolution_copies(op)
     copies = _BATCH_NORMS.get(op.type)
     if copies is None or op.get_attr("data_format") not in (b"NHWC", b"NDHWC") or \
             not op.get_attr("is_training"):
@@ -87,6 +90,54 @@ def kernel_scratch_bytes(op: tf.Operation) -> int:
             os.environ.get("TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT", "0") not in ("", "0"):
         return 0
     return copies * (tensor_bytes(op.inputs[0]) or 0)
+
+
+_CONVOLUTIONS = {"Conv2D": "forward", "Conv3D": "forward",
+                 "Conv2DBackpropInput": "input", "Conv3DBackpropInputV2": "input",
+                 "Conv2DBackpropFilter": "filter", "Conv3DBackpropFilterV2": "filter"}
+
+
+def _tensorflow_convolution_copies(op: tf.Operation) -> int:
+    """Bytes of the copies TensorFlow's cuDNN convolution kernels make (conv_ops_impl.h,
+    conv_grad_input_ops.h, their 3-D forms), besides their workspace, which they choose at run
+    time and give up when memory is short (not counted).
+
+    The gradient of the input is computed into a buffer of its own and then handed on (or
+    transposed) to the output, both held meanwhile: one more input-sized buffer; measured on the
+    H100, ResNet-50's planned step at batch 576 ran out of memory on one of these, three 1.85 GB
+    buffers for a stride-2 convolution's gradient. Channels-last tensors are transposed to NCHW
+    around the cuDNN call unless it computes channels-last: float16 and bfloat16, and float32 with
+    TF32 allowed (TensorFlow's default), on the Ampere and later GPUs the steps are planned for.
+    An uneven SAME padding pads a copy of the input (or of its gradient). A 1x1 convolution with
+    unit strides on channels-last tensors is a matrix product with none of these."""
+    kind = _CONVOLUTIONS[op.type]
+    channels_last = op.get_attr("data_format") in (b"NHWC", b"NDHWC")
+    x, filters = (op.outputs[0] if kind == "input" else op.inputs[0],
+                  op.inputs[1] if kind != "filter" else op.outputs[0])
+    y = op.inputs[2] if kind != "forward" else op.outputs[0]
+    shapes = [t.shape for t in (x, filters, y)]
+    if not all(shape.is_fully_defined() for shape in shapes):
+        return 0
+    spatial = slice(1, -1) if channels_last else slice(2, None)
+    windows = filters.shape[:-2]
+    strides, dilations = op.get_attr("strides")[spatial], op.get_attr("dilations")[spatial]
+    grouped = x.shape[-1 if channels_last else 1] != filters.shape[-2]
+    if channels_last and not grouped and set(windows) | set(strides) | set(dilations) == {1}:
+        return 0
+    copies = 0
+    computes_channels_last = x.dtype in (tf.float16, tf.bfloat16) or (
+        x.dtype == tf.float32 and tf.config.experimental.tensor_float_32_execution_enabled())
+    if channels_last and not computes_channels_last:
+        copies += {"forward": tensor_bytes(x) + tensor_bytes(y),
+                   "input": tensor_bytes(y), "filter": tensor_bytes(x) + tensor_bytes(y)}[kind]
+    if kind == "input":
+        copies += tensor_bytes(x)
+    if op.get_attr("padding") == b"SAME" and any(
+            (max(0, (out - 1) * stride + (window - 1) * dilation + 1 - size)) % 2
+            for size, out, window, stride, dilation in zip(
+                x.shape[spatial], y.shape[spatial], windows, strides, dilations)):
+        copies += tensor_bytes(x)
+    return copies
 
 
 BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
