@@ -296,3 +296,20 @@ def test_a_segment_is_recomputed_in_one_go_from_its_checkpoint():
     assert plan.prediction.peak_bytes == 210 and plan.prediction.step_ms == pytest.approx(11.0)
     with pytest.raises(BudgetError):  # read through an alias, A must stay for B's recomputation
         plan_memory(op_ms, tensors, slow, budget_bytes=215, **options)
+
+
+def test_a_budget_that_cannot_be_met_is_missed_by_the_lowest_peak_reached():
+    # A (100 B) and X (150 B) are both held at op1: 250 bytes whatever is done with A. Over a
+    # 10-byte/ms link A's copy out outlasts X, so swapping it frees nothing; recomputing A is
+    # quick but holds 400 bytes at the backward pass. Neither lowers the peak; the error is
+    # about the 250 bytes, not the 500 a recomputation would reach.
+    slow = DeviceModel("slow", device_to_host=1e1, host_to_device=1e1)
+    op_ms = [1.0] * 7
+    tensors = [TensorUse("A", 100, 0, (1, 6), (6,)), TensorUse("X", 150, 1, (2,)),
+               TensorUse("Y", 10, 3, (4,))]
+    with pytest.raises(BudgetError, match="the lowest any choice") as error:
+        plan_memory(op_ms, tensors, slow, budget_bytes=200, recompute_ms={"A": 0.1},
+                    transient_bytes={"A": 400})
+    assert error.value.prediction.peak_bytes == 250 and error.value.shortfall_bytes == 50
+    assert predict(op_ms, tensors, slow, [], recomputes=[
+        RecomputeDecision("A", 0.1, transient_bytes=400)]).peak_bytes == 500

@@ -442,8 +442,9 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
 
     The greedy choice starts twice, from no decisions and from SuperNeurons' (every tensor
     recomputed that is cheaper to make again than to copy back in); the plan that fits with the
-    shorter predicted step wins. Raises BudgetError, saying by how much the budget is missed
-    (the smaller shortfall of the two), when no kept tensor alive at the peak is left to choose.
+    shorter predicted step wins. When no choice lowers the peak, the one raising it least is
+    taken. Raises BudgetError, saying by how much the budget is missed (the smallest shortfall
+    of any round of either start), when no kept tensor alive at the peak is left to choose.
     `candidates` limits the choice to these tensors (default: every kept tensor of nonzero
     size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use
     (or before the tensor's last forward use, if there is none).
@@ -590,7 +591,9 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
     if first is None:
         raise ValueError("the recomputations to start from cannot be made together")
     prediction, swaps, recomputed, pinned = first
+    lowest = prediction  # what a BudgetError reports: the smallest shortfall of any round
     while prediction.peak_bytes > budget_bytes:
+        lowest = min(lowest, prediction, key=lambda p: p.peak_bytes)
         swapped = {d.tensor for d in swaps}
         due = _due(by_name, recomputing.decisions(recomputed, swapped)[0])
         alive = sorted((t for t in tensors if t.backward_consumers and t.bytes
@@ -618,7 +621,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
                     tensor.name in recomputing.cost_ms:
                 options.append(([*swaps[:i], *swaps[i + 1:]], [*recomputed, tensor.name]))
         if not alive and not options:
-            raise BudgetError(budget_bytes, prediction)
+            raise BudgetError(budget_bytes, lowest)
         for tensor in alive:
             first_use = _needed_by(tensor, due)
             for prefetch in {latest_hiding_prefetch(tensor, op_ms, model, first_use),
@@ -631,13 +634,14 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
                 options.append((swaps, [*recomputed, tensor.name]))
         outcomes = [o for o in (outcome(s, r) for s, r in options) if o is not None]
         if not outcomes:
-            raise BudgetError(budget_bytes, prediction)
+            raise BudgetError(budget_bytes, lowest)
 
-        # Choices that lower the peak first, cheapest per byte they free, then the shortest step.
+        # Choices that lower the peak first, cheapest per byte they free, then the shortest step;
+        # if none does, the one that raises it least (a recomputation keeps what it reads).
         def value(outcome):
             freed = prediction.peak_bytes - outcome[0].peak_bytes
             cost = max(outcome[0].step_ms - prediction.step_ms, 0.0)
-            return (freed <= 0, cost / max(freed, 1), outcome[0].step_ms)
+            return (freed <= 0, cost / freed if freed > 0 else -freed, outcome[0].step_ms)
         best = min(outcomes, key=value)
         # Swaps that each lower the peak at no cost are taken together, if together they still
         # cost nothing: one round instead of one each, when many transfers hide.
@@ -667,6 +671,6 @@ class BudgetError(ValueError):
             f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
             f"{prediction.peak_op}"
             + (f" on {prediction.peak_device}" if prediction.peak_device else "")
-            + f", {self.shortfall_bytes / 2**20:.1f} MiB over, with every "
-            "kept tensor alive there already swapped or recomputed"
+            + f", {self.shortfall_bytes / 2**20:.1f} MiB over, the lowest any choice of "
+            "swaps and recomputations reached"
             + (f" (tried: {tried})" if tried else ""))
