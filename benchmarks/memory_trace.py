@@ -87,15 +87,18 @@ def main():
             tf.config.LogicalDeviceConfiguration(memory_limit=int(args.memory_limit_gib * 1024))])
     device = "GPU:0" if gpus else "CPU:0"
 
-    # As beyond_memory.py runs planned steps: Grappler's layout copies are not in the plan.
+    # As beyond_memory.py runs planned steps: Grappler's layout copies and the autotuning's
+    # copies of convolution outputs are not in the plan.
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+    os.environ.setdefault("TF_DISABLE_RZ_CHECK", "1")
     from tf_ucudnn import models
     from tf_ucudnn.memory import DeviceModel, keras_training_step, plan_keras_step
 
     model = models.load_model(args.model)
     result = {"benchmark": "memory_trace", "model": args.model, "batch": args.batch,
               "device": device, "budget_gib": args.budget_gib, "link_gb_s": args.link_gb_s,
-              "fuse_batch_norm": args.fuse_batch_norm}
+              "fuse_batch_norm": args.fuse_batch_norm,
+              "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"]}
     if args.budget_gib:
         link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
         step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,

@@ -1,5 +1,7 @@
 """The memory planner on a real training step: a budget met, the same results, or a clear no."""
 
+import warnings
+
 import pytest
 import tensorflow as tf
 
@@ -208,3 +210,24 @@ def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int, kernel: s
         layers.GlobalAveragePooling2D(), layers.Dense(2)])
     with fused_batch_norm(model, kernel):
         return gradient_step(model, 8)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_settings_that_add_uncounted_copies_are_named(gpu_device, monkeypatch):
+    step = conv_training_step()
+    plan = plan_step_memory(step, 1 << 40, SLOW_LINK)
+    monkeypatch.delenv("TF_DISABLE_RZ_CHECK", raising=False)
+    layout = tf.config.optimizer.get_experimental_options().get("layout_optimizer", True)
+    try:
+        tf.config.optimizer.set_experimental_options({"layout_optimizer": True})
+        with pytest.warns(UserWarning) as caught:
+            apply_memory_plan(step, plan)
+        messages = " ".join(str(w.message) for w in caught)
+        assert "layout optimizer is on" in messages and "TF_DISABLE_RZ_CHECK=1" in messages
+        tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+        monkeypatch.setenv("TF_DISABLE_RZ_CHECK", "1")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            apply_memory_plan(step, plan)
+    finally:
+        tf.config.optimizer.set_experimental_options({"layout_optimizer": layout})

@@ -71,13 +71,12 @@ def kernel_scratch_bytes(op: tf.Operation) -> int:
     """Bytes the op's GPU kernel allocates for itself while it runs.
 
     A convolution tf_ucudnn's rewrite planned: the cuDNN workspace of its plan, as the profiles
-    give it (TensorFlow's own convolutions choose theirs at run time: not counted). TensorFlow's
-    batch normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
+    give it. TensorFlow's own convolutions: the copies `_tensorflow_convolution_copies` names
+    (their workspace, chosen at run time, is not counted). TensorFlow's batch normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
     TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
     output transposed (two activation-sized buffers); backward, the input, the output's gradient
     and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
-    such a gradient, four 1.85 GB buffers for one normalization. TensorFlow's convolutions: see
-    `_tensorflow_convolution_copies`."""
+    such a gradient, four 1.85 GB buffers for one normalization."""
     if WORKSPACE_ATTR in op.node_def.attr:
         return op.get_attr(WORKSPACE_ATTR)
     if op.type in _CONVOLUTIONS:

@@ -10,6 +10,7 @@ BudgetError, saying by how much, before anything runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Mapping, NamedTuple, Optional
 
@@ -270,13 +271,19 @@ def apply_memory_plan(function, plan: MemoryPlan):
     On a GPU, run it with Grappler's layout optimizer off
     (`tf.config.optimizer.set_experimental_options({"layout_optimizer": False})`): it turns the
     step to NCHW and keeps NHWC copies of the tensors around the swap nodes, which the plan does
-    not count (5.2 GB over the plan at ResNet-50's batch 384 on the H100). A warning says so
-    when it is on."""
-    if tf.config.list_logical_devices("GPU") and \
-            tf.config.optimizer.get_experimental_options().get("layout_optimizer", True):
-        warnings.warn("Grappler's layout optimizer is on: on a GPU it adds copies the memory "
-                      "plan does not count; turn it off with tf.config.optimizer."
-                      "set_experimental_options({'layout_optimizer': False})")
+    not count (5.2 GB over the plan at ResNet-50's batch 384 on the H100). And with
+    TF_DISABLE_RZ_CHECK=1: the first step autotunes each of TensorFlow's convolutions into a
+    copy of its output (with guard bytes, to catch cuDNN writing out of bounds), taken while
+    memory allows and held beside the output; on the H100, ResNet-50's planned step at batch
+    576 ran out of memory beside one of 1.87 GB. A warning says so when either is left on."""
+    if tf.config.list_logical_devices("GPU"):
+        if tf.config.optimizer.get_experimental_options().get("layout_optimizer", True):
+            warnings.warn("Grappler's layout optimizer is on: on a GPU it adds copies the "
+                          "memory plan does not count; turn it off with tf.config.optimizer."
+                          "set_experimental_options({'layout_optimizer': False})")
+        if os.environ.get("TF_DISABLE_RZ_CHECK") != "1":
+            warnings.warn("TensorFlow's convolution autotuning holds a copy of each output the "
+                          "memory plan does not count; set TF_DISABLE_RZ_CHECK=1 to go without")
     graph_def = insert_recomputes(function.graph.as_graph_def(), plan.recomputes, function.graph)
     graph_def = insert_swaps(graph_def, _with_clone_readers(
         graph_def, plan, function.graph.get_operations()))
