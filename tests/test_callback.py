@@ -1,5 +1,7 @@
 """MicroBatchCallback: model.fit with micro-batched convolutions trains to the same weights."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import keras
@@ -169,6 +171,32 @@ def test_with_a_memory_budget_training_follows_the_memory_plan():
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert "train_step" not in vars(planned)
+
+
+def test_the_memory_plan_counts_the_workspace_of_each_planned_kernel():
+    from training_steps import SLOW_LINK
+
+    def with_workspace(plan, size):
+        return KernelPlan(tuple(dataclasses.replace(mb, workspace_bytes=size)
+                                for mb in plan.micro_batches))
+
+    class ProfiledPlanner(SplittingPlanner):
+        def __call__(self, layer):
+            plan = super().__call__(layer)
+            return LayerPlan(with_workspace(plan.forward, 4096),
+                             with_workspace(plan.backprop_input, 8192), plan.backprop_filter)
+
+    callback = MicroBatchCallback(planner=ProfiledPlanner(), memory_budget=1 << 40,
+                                  device_model=SLOW_LINK, verbose=0)
+    _fit(_vgg_style, [callback], epochs=1)
+    liveness = callback.report.memory.liveness
+    scratch = [(liveness.ops[t.producer].type, t.bytes) for t in liveness.tensors
+               if t.name.endswith(":scratch") and
+               liveness.ops[t.producer].type.startswith("Ucudnn")]
+    # The three convolutions, forward and input gradient; the filter gradients' plans were not
+    # profiled. (The transposed convolution is TensorFlow's own, its copies counted as such.)
+    assert sorted(scratch) == [("UcudnnConv2D", 4096)] * 3 + \
+        [("UcudnnConv2DBackpropInput", 8192)] * 3
 
 
 def test_under_a_tighter_budget_the_first_layers_train_in_micro_batches():

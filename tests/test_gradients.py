@@ -1,5 +1,7 @@
 """tf_ucudnn.gradients: gradients of the ops, the plans they carry, and second-order gradients."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -8,7 +10,8 @@ import tf_ucudnn
 from reference import (CONV2D_CASES, CONV3D_CASES, Case, Conv, assert_close,
                        assert_on_device, backprop_filter, backprop_input, check_conv, conv,
                        kernel_plan, random, safe_algorithms)
-from tf_ucudnn.plan import KernelPlan, LayerPlan
+from tf_ucudnn.memory.liveness import kernel_scratch_bytes
+from tf_ucudnn.plan import WORKSPACE_ATTR, KernelPlan, LayerPlan
 
 ALL_CASES = CONV2D_CASES + CONV3D_CASES
 BACKPROP_TYPES = {2: ("UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter"),
@@ -216,6 +219,27 @@ def test_gradient_ops_carry_the_layer_plan(case):
     assert filt.inputs[0].name == forward.inputs[0].name
     types = {op.type for op in graph.get_operations()}
     assert not any(t.startswith(("Conv2D", "Conv3D")) for t in types), types
+
+
+def test_gradient_ops_carry_their_profiled_workspace_for_the_memory_planner():
+    case = CONV2D_CASES[2]
+
+    def profiled(sizes, kernel, workspaces):
+        plan = kernel_plan(sizes, kernel)
+        return KernelPlan(tuple(dataclasses.replace(mb, workspace_bytes=w)
+                                for mb, w in zip(plan.micro_batches, workspaces)))
+
+    forward, data, filt = (case.sizes(k) for k in ("fwd", "bwd_data", "bwd_filter"))
+    plan = LayerPlan(profiled(forward, "fwd", [100 * (i + 1) for i in range(len(forward))]),
+                     profiled(data, "bwd_data", [7000] * len(data)),
+                     kernel_plan(filt, "bwd_filter"))  # not profiled: no workspace known
+    graph = _gradient_graph(case, plan)
+    ops = [_ops_of_type(graph, t)[0] for t in ("UcudnnConv2D", *BACKPROP_TYPES[2])]
+    # Micro-batches run one at a time: a kernel needs its largest one's.
+    assert [kernel_scratch_bytes(op) for op in ops] == [100 * len(forward), 7000, 0]
+    # Without profiles, no node claims a workspace.
+    bare = _gradient_graph(case, case.plan())
+    assert not [op for op in bare.get_operations() if WORKSPACE_ATTR in op.node_def.attr]
 
 
 def test_kernel_plan_leaves_gradient_plans_empty():

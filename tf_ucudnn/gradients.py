@@ -8,7 +8,8 @@ flows back through them.
 
 import tensorflow as tf
 
-from tf_ucudnn.ops import _ops
+from tf_ucudnn.ops import _ops, with_workspaces
+from tf_ucudnn.plan import workspace_attr
 
 _CONV_ATTRS = ("strides", "padding", "explicit_paddings", "data_format", "dilations",
                "use_cudnn_on_gpu")
@@ -27,15 +28,27 @@ def _plan(op, prefix):
             "algorithms": op.get_attr(prefix + "algorithms")}
 
 
+def _workspace(op, kernel):
+    """The workspace the forward op carries for one of its gradient's kernels, as that node's
+    (traced only: nothing when it has none, or runs eagerly)."""
+    if tf.executing_eagerly():
+        return {}
+    node = op.outputs[0].op  # the tape hands a stand-in, blind to internal attributes
+    name = workspace_attr(kernel)
+    return {"": node.get_attr(name)} if name in node.node_def.attr else {}
+
+
 def _forward_grad(num_spatial):
     def grad_fn(op, grad):
         _, backprop_input, backprop_filter = _BACKPROP_OPS[num_spatial]
         input, filters = op.inputs
         return [
-            backprop_input(tf.shape(input), filters, grad, **_attrs(op),
-                           **_plan(op, "backprop_input_")),
-            backprop_filter(input, tf.shape(filters), grad, **_attrs(op),
-                            **_plan(op, "backprop_filter_")),
+            with_workspaces(backprop_input(tf.shape(input), filters, grad, **_attrs(op),
+                                           **_plan(op, "backprop_input_")),
+                            _workspace(op, "backprop_input_")),
+            with_workspaces(backprop_filter(input, tf.shape(filters), grad, **_attrs(op),
+                                            **_plan(op, "backprop_filter_")),
+                            _workspace(op, "backprop_filter_")),
         ]
     return grad_fn
 

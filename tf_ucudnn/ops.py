@@ -16,7 +16,9 @@ from typing import Optional, Sequence, Union
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 
-from tf_ucudnn.plan import KernelPlan, LayerPlan
+from tensorflow.core.framework import attr_value_pb2
+
+from tf_ucudnn.plan import KernelPlan, LayerPlan, workspace_attr
 
 OP_TYPES = (
     "UcudnnConv2D", "UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter",
@@ -86,13 +88,17 @@ def _conv_attrs(num_spatial, strides, padding, data_format, dilations) -> dict:
     }
 
 
-def _forward_plan_attrs(plan: Union[LayerPlan, KernelPlan, None]) -> dict:
+def _layer_plan(plan: Union[LayerPlan, KernelPlan, None]) -> LayerPlan:
     if plan is None:
-        plan = LayerPlan()
-    elif isinstance(plan, KernelPlan):
-        plan = LayerPlan(forward=plan)
-    elif not isinstance(plan, LayerPlan):
+        return LayerPlan()
+    if isinstance(plan, KernelPlan):
+        return LayerPlan(forward=plan)
+    if not isinstance(plan, LayerPlan):
         raise TypeError(f"plan must be a LayerPlan, a KernelPlan or None, got {type(plan).__name__}")
+    return plan
+
+
+def _forward_plan_attrs(plan: LayerPlan) -> dict:
     attrs = plan.forward.attrs()
     for prefix, kernel_plan in (("backprop_input_", plan.backprop_input),
                                 ("backprop_filter_", plan.backprop_filter)):
@@ -100,31 +106,54 @@ def _forward_plan_attrs(plan: Union[LayerPlan, KernelPlan, None]) -> dict:
     return attrs
 
 
-def _kernel_plan_attrs(plan: Optional[KernelPlan]) -> dict:
+def _kernel_plan(plan: Optional[KernelPlan]) -> KernelPlan:
     if plan is not None and not isinstance(plan, KernelPlan):
         raise TypeError(f"plan must be a KernelPlan or None, got {type(plan).__name__}")
-    return (plan or KernelPlan()).attrs()
+    return plan or KernelPlan()
+
+
+def with_workspaces(output: tf.Tensor, workspaces: dict) -> tf.Tensor:
+    """`output`, its node (when traced) carrying the known workspaces of `workspaces` (kernel
+    prefix as in `tf_ucudnn.plan.workspace_attr` -> bytes or None) for the memory planner."""
+    if not tf.executing_eagerly():
+        for kernel, size in workspaces.items():
+            if size is not None:
+                output.op._set_attr(workspace_attr(kernel), attr_value_pb2.AttrValue(i=size))
+    return output
+
+
+def _forward(op, num_spatial, input, filters, strides, padding, data_format, dilations, plan,
+             name):
+    plan = _layer_plan(plan)
+    output = op(input, filters,
+                **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
+                **_forward_plan_attrs(plan), name=name)
+    return with_workspaces(output, {"": plan.forward.workspace_bytes,
+                                    "backprop_input_": plan.backprop_input.workspace_bytes,
+                                    "backprop_filter_": plan.backprop_filter.workspace_bytes})
 
 
 def conv2d(input, filters, strides, padding: Padding, data_format: str = "NHWC", dilations=None,
            plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
     """tf.nn.conv2d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
-    return _ops.ucudnn_conv2d(input, filters, **_conv_attrs(2, strides, padding, data_format, dilations),
-                              **_forward_plan_attrs(plan), name=name)
+    return _forward(_ops.ucudnn_conv2d, 2, input, filters, strides, padding, data_format,
+                    dilations, plan, name)
 
 
 def conv3d(input, filters, strides, padding: Padding, data_format: str = "NDHWC", dilations=None,
            plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
     """tf.nn.conv3d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
-    return _ops.ucudnn_conv3d(input, filters, **_conv_attrs(3, strides, padding, data_format, dilations),
-                              **_forward_plan_attrs(plan), name=name)
+    return _forward(_ops.ucudnn_conv3d, 3, input, filters, strides, padding, data_format,
+                    dilations, plan, name)
 
 
 def _backprop(op, num_spatial, first, second, out_backprop, strides, padding, data_format,
               dilations, plan, name):
-    return op(first, second, out_backprop,
-              **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
-              **_kernel_plan_attrs(plan), name=name)
+    plan = _kernel_plan(plan)
+    output = op(first, second, out_backprop,
+                **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
+                **plan.attrs(), name=name)
+    return with_workspaces(output, {"": plan.workspace_bytes})
 
 
 def conv2d_backprop_input(input_sizes, filters, out_backprop, strides, padding: Padding,

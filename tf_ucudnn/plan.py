@@ -77,9 +77,14 @@ class Algorithm:
         return self.to_attr()
 
 
-# The workspace a rewritten kernel's plan needs, for the memory planner: an internal attribute
-# (TensorFlow lets a node carry those beside its op's own), as the op's kernel does not read it.
-WORKSPACE_ATTR = "_ucudnn_workspace_bytes"
+def workspace_attr(kernel: str = "") -> str:
+    """The internal attribute (TensorFlow lets a node carry those beside its op's own; the op's
+    kernel does not read it) giving the memory planner the workspace of a planned node's kernel
+    (""), or, on a forward node, of its gradient's ("backprop_input_", "backprop_filter_")."""
+    return f"_ucudnn_{kernel}workspace_bytes"
+
+
+WORKSPACE_ATTR = workspace_attr()
 
 
 @dataclasses.dataclass(frozen=True)
