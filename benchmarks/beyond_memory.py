@@ -124,7 +124,8 @@ def _keras_fit(model, shape, batch: int, step: int, steps: int, tries: int) -> d
         data = tf.data.Dataset.from_tensors((images, tf.zeros([size], tf.int32))).repeat()
 
         def timed():
-            model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)  # tracing, compilation
+            # The first steps trace and compile.
+            model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
             start = time.perf_counter()
             model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
             return size * steps / (time.perf_counter() - start)
@@ -274,8 +275,9 @@ def main():
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
                 for baseline in ("tensorflow_as_planned", "keras_fit"):
-                    if entry.get(baseline, {}).get("img_per_s"):
-                        trial[f"vs_{baseline}"] = trial["img_per_s"] / entry[baseline]["img_per_s"]
+                    baseline_rate = entry.get(baseline, {}).get("img_per_s")
+                    if baseline_rate:
+                        trial[f"vs_{baseline}"] = trial["img_per_s"] / baseline_rate
             entry["tf_ucudnn"].append(trial)
             print(name, json.dumps(trial)[:300], flush=True)
             _save(results, name, entry, args.out)  # each trial, lest a time limit lose them all

@@ -14,9 +14,8 @@ import os
 from typing import Optional, Sequence, Union
 
 import tensorflow as tf
-from tensorflow.python.framework import kernels
-
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import kernels
 
 from tf_ucudnn.plan import KernelPlan, LayerPlan, workspace_attr
 

@@ -70,9 +70,11 @@ _BATCH_NORMS = {"FusedBatchNorm": 2, "FusedBatchNormV2": 2, "FusedBatchNormV3": 
 def kernel_scratch_bytes(op: tf.Operation) -> int:
     """Bytes the op's GPU kernel allocates for itself while it runs.
 
-    A convolution tf_ucudnn's rewrite planned: the cuDNN workspace of its plan, as the profiles
-    give it. TensorFlow's own convolutions: the copies `_tensorflow_convolution_copies` names
-    (their workspace, chosen at run time, is not counted). TensorFlow's batch normalization runs channels-last input through cuDNN in NCHW unless it is float16 with
+    A convolution tf_ucudnn planned (by `rewrite`, or traced from `tf_ucudnn.conv2d` with a
+    plan, as the callback does): the cuDNN workspace of its plan, as the profiles give it.
+    TensorFlow's own convolutions: the copies `_tensorflow_convolution_copies` names (their
+    workspace, chosen at run time, is not counted). TensorFlow's batch normalization runs
+    channels-last input through cuDNN in NCHW unless it is float16 with
     TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
     output transposed (two activation-sized buffers); backward, the input, the output's gradient
     and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
