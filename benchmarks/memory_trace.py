@@ -9,7 +9,10 @@ the first layers in micro-batches where nothing else fits).
 
 Where the measured peak and the plan's prediction part, the list says which tensors the
 prediction did not expect (Grappler's layout transposes, buffers held by copies, recomputations
-run early). On the CPU, run with TF_CPU_ALLOCATOR_USE_BFC=true.
+run early). On the CPU, run with TF_CPU_ALLOCATOR_USE_BFC=true. With `--op-times` the GPU's
+kernels are traced too, and each op's measured time is set beside the time the plan assumed
+(with `--step-ms`, calibrated as beyond_memory.py calibrates), to tell where a planned step's
+time goes: recomputations, swaps, or ops slower than in the unplanned step.
 """
 
 from __future__ import annotations
@@ -66,6 +69,51 @@ def alive_at_peak(xspace_path: str, device_allocator: bool, top: int = 40) -> di
             "largest_alive": [{"bytes": size, "op": op} for size, op in largest]}
 
 
+def measured_op_ms(xspace_path: str, on_gpu: bool) -> dict:
+    """Each op's time in one profile, in ms: on a GPU, its kernels' (the device tracer tags
+    each kernel with the op that launched it); on the CPU, its own run on the executor's
+    threads."""
+    space = xplane_pb2.XSpace()
+    with open(xspace_path, "rb") as file:
+        space.ParseFromString(file.read())
+    times: dict = {}
+    for plane in space.planes:
+        if on_gpu != plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not on_gpu and not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = (str(_stats(plane, event).get("tf_op", "")) if on_gpu
+                        else plane.event_metadata[event.metadata_id].name)
+                if ":" in name and "::" not in name:  # "op:Type", not a runtime's "Class::method"
+                    op = name.rsplit(":", 1)[0]
+                    times[op] = times.get(op, 0.0) + event.duration_ps / 1e9
+    return times
+
+
+def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 25) -> dict:
+    """The measured op times against those the plan assumed (`op_times`: the device model's
+    roofline, scaled to `step_ms` if given), in total, for the recomputations and swaps, and
+    for the ops that differ most."""
+    from tf_ucudnn.memory.planner import op_times
+    from tf_ucudnn.memory.recompute import CLONE
+
+    operations = step_graph.get_operations()
+    assumed = dict(zip((op.name for op in operations), op_times(step_graph, link, None, step_ms)))
+    types = {op.name: op.type for op in operations}
+    rows = [{"op": name, "type": types.get(name, "?"), "measured_ms": ms,
+             "assumed_ms": assumed.get(name)} for name, ms in measured.items()]
+
+    def total(keep) -> float:
+        return sum(row["measured_ms"] for row in rows if keep(row["op"]))
+    return {"measured_ms": total(lambda op: True), "assumed_ms": sum(assumed.values()),
+            "measured_recomputations_ms": total(lambda op: CLONE in op),
+            "measured_swaps_ms": total(lambda op: "/ucudnn_swap" in op),
+            "largest_differences": sorted(
+                rows, key=lambda row: -abs(row["measured_ms"] - (row["assumed_ms"] or 0.0)))[:top]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet50")
@@ -79,6 +127,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers where no plan fits whole "
                         "batches, as beyond_memory.py plans (tf_ucudnn.memory.plan_keras_step)")
+    parser.add_argument("--op-times", action="store_true",
+                        help="trace the GPU's kernels too, and compare each op's measured time "
+                        "with the time the plan assumed")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gpus = tf.config.list_physical_devices("GPU")
@@ -99,8 +150,8 @@ def main():
               "device": device, "budget_gib": args.budget_gib, "link_gb_s": args.link_gb_s,
               "fuse_batch_norm": args.fuse_batch_norm,
               "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"]}
+    link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     if args.budget_gib:
-        link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
         step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,
                                        args.step_ms, args.fuse_batch_norm, args.micro_batches)
         result.update(swaps=len(chosen.plan.swaps), recomputes=len(chosen.plan.recomputes),
@@ -116,7 +167,7 @@ def main():
         if profiled:
             tf.config.experimental.reset_memory_stats(device)
             tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
-                host_tracer_level=3, device_tracer_level=0))
+                host_tracer_level=3, device_tracer_level=int(args.op_times)))
         try:
             step(x, y).numpy()
         except tf.errors.OpError as error:  # the message's own lines, not the traceback's
@@ -129,9 +180,15 @@ def main():
     result["measured_peak_bytes"] = tf.config.experimental.get_memory_info(device)["peak"]
     (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
     result.update(alive_at_peak(path, device_allocator=bool(gpus)))
+    if args.op_times:
+        graph = step.graph if hasattr(step, "graph") else step.get_concrete_function(x, y).graph
+        result["op_times"] = op_time_report(graph,
+                                            measured_op_ms(path, on_gpu=bool(gpus)), link,
+                                            args.step_ms)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "largest_alive"}), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("largest_alive", "op_times")}),
+          flush=True)
 
 
 if __name__ == "__main__":
