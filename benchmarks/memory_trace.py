@@ -37,12 +37,16 @@ def _stats(plane, event) -> dict:
     return values
 
 
-def alive_at_peak(xspace_path: str, device_allocator: bool, top: int = 40) -> dict:
-    """Replays the allocator events of one profile: the peak, the op at it, and the largest
-    buffers alive then, with the op that allocated each."""
+def read_profile(xspace_path: str) -> xplane_pb2.XSpace:
     space = xplane_pb2.XSpace()
     with open(xspace_path, "rb") as file:
         space.ParseFromString(file.read())
+    return space
+
+
+def alive_at_peak(space: xplane_pb2.XSpace, device_allocator: bool, top: int = 40) -> dict:
+    """Replays the allocator events of one profile: the peak, the op at it, and the largest
+    buffers alive then, with the op that allocated each."""
     events = []
     for plane in space.planes:
         for line in plane.lines:
@@ -69,13 +73,10 @@ def alive_at_peak(xspace_path: str, device_allocator: bool, top: int = 40) -> di
             "largest_alive": [{"bytes": size, "op": op} for size, op in largest]}
 
 
-def measured_op_ms(xspace_path: str, on_gpu: bool) -> dict:
+def measured_op_ms(space: xplane_pb2.XSpace, on_gpu: bool) -> dict:
     """Each op's time in one profile, in ms: on a GPU, its kernels' (the device tracer tags
     each kernel with the op that launched it); on the CPU, its own run on the executor's
     threads."""
-    space = xplane_pb2.XSpace()
-    with open(xspace_path, "rb") as file:
-        space.ParseFromString(file.read())
     times: dict = {}
     for plane in space.planes:
         if on_gpu != plane.name.startswith("/device:GPU"):
@@ -98,6 +99,7 @@ def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 25) -> 
     for the ops that differ most."""
     from tf_ucudnn.memory.planner import op_times
     from tf_ucudnn.memory.recompute import CLONE
+    from tf_ucudnn.memory.swap import SWAP
 
     operations = step_graph.get_operations()
     assumed = dict(zip((op.name for op in operations), op_times(step_graph, link, None, step_ms)))
@@ -109,7 +111,7 @@ def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 25) -> 
         return sum(row["measured_ms"] for row in rows if keep(row["op"]))
     return {"measured_ms": total(lambda op: True), "assumed_ms": sum(assumed.values()),
             "measured_recomputations_ms": total(lambda op: CLONE in op),
-            "measured_swaps_ms": total(lambda op: "/ucudnn_swap" in op),
+            "measured_swaps_ms": total(lambda op: SWAP in op),
             "largest_differences": sorted(
                 rows, key=lambda row: -abs(row["measured_ms"] - (row["assumed_ms"] or 0.0)))[:top]}
 
@@ -179,11 +181,12 @@ def main():
                 tf.profiler.experimental.stop()
     result["measured_peak_bytes"] = tf.config.experimental.get_memory_info(device)["peak"]
     (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-    result.update(alive_at_peak(path, device_allocator=bool(gpus)))
+    space = read_profile(path)  # read once: with the device tracer on, it is large
+    result.update(alive_at_peak(space, device_allocator=bool(gpus)))
     if args.op_times:
         graph = step.graph if hasattr(step, "graph") else step.get_concrete_function(x, y).graph
         result["op_times"] = op_time_report(graph,
-                                            measured_op_ms(path, on_gpu=bool(gpus)), link,
+                                            measured_op_ms(space, on_gpu=bool(gpus)), link,
                                             args.step_ms)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=1)

@@ -28,6 +28,7 @@ from tf_ucudnn.graph.functions import callable_over, graph_of
 from tf_ucudnn.memory.graph_edits import KeptTensor, protect, rewire
 
 HOST = "/device:CPU:0"
+SWAP = "/ucudnn_swap_"  # in the names of the swap nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
             name = getattr(swap, role)
             if name is not None and name not in nodes:
                 raise SwapError(f"{swap.tensor}: {role} names no node ({name!r})")
-        base = f"{swap.producer}/ucudnn_swap_{swap.output_index}"
+        base = _scope(swap)
         swap_out = result.node.add(name=f"{base}/out", op="Identity", device=HOST,
                                    input=[swap.tensor])
         on_host = [swap_out]
@@ -99,6 +100,11 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
     return result
 
 
+def _scope(swap: Swap) -> str:
+    """The name scope of a swap's nodes."""
+    return f"{swap.producer}{SWAP}{swap.output_index}"
+
+
 def _check_acyclic(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap]) -> None:
     """A swap-in that waits for an op which itself needs the swapped-in tensor would deadlock."""
     consumers: dict[str, list[str]] = {}
@@ -108,7 +114,7 @@ def _check_acyclic(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap]) -> None
     for swap in swaps:
         if swap.prefetch_after is None:
             continue
-        start = f"{swap.producer}/ucudnn_swap_{swap.output_index}/in"
+        start = f"{_scope(swap)}/in"
         seen, frontier = {start}, [start]
         while frontier:
             for name in consumers.get(frontier.pop(), ()):
