@@ -223,6 +223,7 @@ def main():
         batch, rate = _largest_plain_batch(model, shape, args.start_batch, args.max_batch,
                                            args.steps)
         entry = {"tensorflow": {"largest_batch": batch, "img_per_s": rate}, "tf_ucudnn": []}
+        print(name, "TensorFlow's largest batch", batch, rate, flush=True)
         # How far TensorFlow's real peak is above the liveness prediction (its allocator,
         # workspaces and execution order), measured on its own largest batch: the budgets given
         # to the planner shrink by that much.
@@ -251,6 +252,7 @@ def main():
                 "batch": as_planned_batch, "fuse_batch_norm": args.fuse_batch_norm,
                 "layout_optimizer": False, "img_per_s": as_planned_rate}
             calibration_rate = as_planned_rate or rate
+            print(name, "as planned", as_planned_batch, as_planned_rate, flush=True)
         if batch and args.keras_fit_tries:
             entry["keras_fit"] = _keras_fit(model, shape, batch, args.start_batch, args.steps,
                                             args.keras_fit_tries)

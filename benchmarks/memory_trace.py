@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import tempfile
 
 import tensorflow as tf
@@ -93,7 +94,71 @@ def measured_op_ms(space: xplane_pb2.XSpace, on_gpu: bool) -> dict:
     return times
 
 
-def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 25) -> dict:
+def gpu_intervals(space: xplane_pb2.XSpace) -> dict:
+    """Each op's GPU activity in one profile: (first start, last end) in ms from the step's first
+    kernel, kernels and copies alike, with whether any was a copy."""
+    spans: dict = {}
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                stats = _stats(plane, event)
+                name = str(stats.get("tf_op", ""))
+                if ":" not in name or "::" in name:
+                    continue
+                start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
+                end = start + event.duration_ps / 1e9
+                copy = "memcpy" in plane.event_metadata[event.metadata_id].name.lower()
+                first, last, copies = spans.get(name.rsplit(":", 1)[0], (start, end, False))
+                spans[name.rsplit(":", 1)[0]] = (min(first, start), max(last, end),
+                                                 copies or copy)
+    origin = min((first for first, _, _ in spans.values()), default=0.0)
+    return {op: (first - origin, last - origin, copy) for op, (first, last, copy) in spans.items()}
+
+
+def timeline_report(spans: dict, swaps) -> dict:
+    """The step's wall time on the GPU, the time no kernel ran (copies aside), and for each swap
+    when its copy back ran against its prefetch op and its first backward consumer: a copy
+    that ends after the consumer could have started leaves the GPU waiting; one that starts long
+    before the prefetch op holds the tensor early."""
+    kernels = sorted((first, last, op) for op, (first, last, copy) in spans.items() if not copy)
+    idle, reached, before, gaps = 0.0, kernels[0][0] if kernels else 0.0, None, []
+    for first, last, op in kernels:
+        if first > reached:
+            idle += first - reached
+            gaps.append({"ms": round(first - reached, 2), "at_ms": round(reached, 2),
+                         "after": before, "before": op})
+        if last > reached:
+            reached, before = last, op
+    from tf_ucudnn.memory.swap import SWAP
+
+    rows = []
+    # The traced function's ops carry the scope of its call: match on the graph's own names.
+    spans = {op.split("/", 1)[1] if op.startswith("ucudnn/") else op: span
+             for op, span in spans.items()}
+    for swap in swaps:
+        scope = f"{swap.producer}{SWAP}{swap.output_index}/"
+        copies = [(first, last) for op, (first, last, copy) in spans.items()
+                  if copy and op.startswith(scope)]
+        copies_out = [(first, last) for op, (first, last, copy) in spans.items()
+                      if copy and re.fullmatch(re.escape(swap.producer) + r"/_\d+", op)]
+        consumers = [spans[c][0] for c in swap.backward_consumers if c in spans]
+        prefetch = spans.get(swap.prefetch_after)
+        gate = spans.get(swap.copied_out_before)
+        rows.append({"tensor": swap.tensor, "prefetch_after": swap.prefetch_after,
+                     "prefetch_op_ms": prefetch and round(prefetch[0], 2),
+                     "copy_out_ms": [round(x, 2) for x in min(copies_out)] if copies_out else None,
+                     "copy_in_ms": [round(x, 2) for x in min(copies)] if copies else None,
+                     "first_consumer_ms": round(min(consumers), 2) if consumers else None,
+                     "copied_out_before": swap.copied_out_before,
+                     "copied_out_before_ms": gate and round(gate[0], 2)})
+    return {"wall_ms": max((last for _, last, _ in spans.values()), default=0.0),
+            "no_kernel_running_ms": idle, "swaps": rows,
+            "longest_gaps": sorted(gaps, key=lambda gap: -gap["ms"])[:20]}
+
+
+def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 60) -> dict:
     """The measured op times against those the plan assumed (`op_times`: the device model's
     roofline, scaled to `step_ms` if given), in total, for the recomputations and swaps, and
     for the ops that differ most."""
@@ -188,9 +253,11 @@ def main():
         result["op_times"] = op_time_report(graph,
                                             measured_op_ms(space, on_gpu=bool(gpus)), link,
                                             args.step_ms)
+        if gpus and args.budget_gib:
+            result["timeline"] = timeline_report(gpu_intervals(space), chosen.plan.swaps)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("largest_alive", "op_times")}),
+    print(json.dumps({k: v for k, v in result.items() if k not in ("largest_alive", "op_times", "timeline")}),
           flush=True)
 
 

@@ -3,6 +3,7 @@
 import pytest
 import tensorflow as tf
 
+from tf_ucudnn.memory.planner import held_back, latest_inputs
 from tf_ucudnn.memory.swap import HOST, Swap, SwapError, insert_swaps, swap_function
 from training_steps import assert_same_step, gradient_step
 
@@ -30,7 +31,8 @@ def _conv_input_swaps(graph, prefetch=False):
         tensor = op.inputs[0]
         backward = [c.name for c in tensor.consumers() if "gradient" in c.name]
         swaps.append(Swap(tensor.name, backward, ops[last_forward].name if prefetch else None,
-                          ops[last_forward + 1].name if prefetch else None))
+                          ops[last_forward + 1].name if prefetch else None,
+                          held_back(ops, latest_inputs(ops), last_forward) if prefetch else ()))
     return swaps
 
 
@@ -58,6 +60,10 @@ def test_swap_nodes_are_placed_wired_and_protected():
         assert list(held.input) == [swap_out.name, f"^{swap.prefetch_after}"]
         assert list(swap_in.input) == [held.name]
         assert all(node.attr["_grappler_do_not_remove"].b for node in (swap_out, held, swap_in))
+        # The work after the prefetch op waits for the copy back to be queued.
+        assert swap.held_back
+        for name in swap.held_back:
+            assert f"^{held.name}" in nodes[name].input
         # The op the model frees the buffer before waits for the copy out.
         assert f"^{swap_out.name}" in nodes[swap.copied_out_before].input
         for consumer in swap.backward_consumers:
@@ -82,6 +88,41 @@ def test_bad_swaps_are_named():
     with pytest.raises(SwapError, match="waits for .* which needs the swapped-in tensor"):
         insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers,
                                       swap.backward_consumers[0])], graph=step.graph)
+    with pytest.raises(SwapError, match="held_back names no node"):
+        insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers, swap.producer,
+                                      held_back=["later"])], graph=step.graph)
+    with pytest.raises(SwapError, match="no prefetch op"):
+        insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers,
+                                      held_back=swap.backward_consumers)], graph=step.graph)
+    # The first gradient op, held back for a copy back that waits for one of its readers.
+    first = next(op for op in step.graph.get_operations()
+                 if "gradient" in op.name and op.outputs and op.outputs[0].consumers())
+    reader = first.outputs[0].consumers()[0].name
+    with pytest.raises(SwapError, match="held back .* leads to"):
+        insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers, reader,
+                                      held_back=[first.name])], graph=step.graph)
     with pytest.raises(SwapError, match="prefetch_after names no node"):
         insert_swaps(graph_def, [Swap(swap.tensor, swap.backward_consumers, "later")],
                      graph=step.graph)
+
+
+def test_holding_back_the_ops_after_an_op_holds_back_all_later_work():
+    step = gradient_step(_model(), 4)
+    ops = step.graph.get_operations()
+    index = next(i for i, op in enumerate(ops) if "gradient" in op.name)
+    held = set(held_back(ops, latest_inputs(ops), index))
+    assert held and all(ops.index(step.graph.get_operation_by_name(name)) > index
+                        for name in held)
+    # Every later op waits for one held back, at some remove, or is made of constants alone.
+    waiting, constants = set(held), set()
+    for i, op in enumerate(ops):
+        reads = {t.op.name for t in op.inputs} | {c.name for c in op.control_inputs}
+        if op.type != "Placeholder" and reads <= constants:
+            constants.add(op.name)
+            assert op.name not in held
+        elif op.name in held:
+            assert all(ops.index(step.graph.get_operation_by_name(r)) <= index
+                       for r in reads - constants)
+        elif i > index:
+            assert reads & waiting, op.name
+            waiting.add(op.name)

@@ -202,8 +202,10 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
         return groups
 
     copied_out_before = dict(decisions.prediction.copied_out_before)
+    latest = latest_inputs(operations)
     swaps = [Swap(read, tuple(dict.fromkeys(names)), operations[decision.prefetch_after].name,
-                  _gate(operations, copied_out_before[decision.tensor]))
+                  _gate(operations, copied_out_before[decision.tensor]),
+                  held_back(operations, latest, decision.prefetch_after))
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
     made_along: dict[str, set] = {}  # a recomputation's ops for the tensors made on its way
@@ -240,6 +242,29 @@ def _written_over(tensor: tf.Tensor, in_chain: set) -> bool:
         return False
     made = [t for t in readers[0].inputs if t.op.name in in_chain]
     return made[0].name == tensor.name and readers[0].outputs[0].shape == tensor.shape
+
+
+def latest_inputs(operations) -> list[Optional[int]]:
+    """For each op, the position of the last op it reads (data or control; -1 for none), not
+    counting constants and what is made of them alone, which can run at any time: None for
+    those."""
+    position = {op.name: i for i, op in enumerate(operations)}
+    latest: list[Optional[int]] = []
+    for op in operations:
+        reads = [position[o.name] for o in (*(t.op for t in op.inputs), *op.control_inputs)]
+        # A control edge may come from an op made later (tf.function's automatic ones).
+        made = [j for j in reads if j >= len(latest) or latest[j] is not None]
+        constant = op.type != "Placeholder" and not made
+        latest.append(None if constant else max(made, default=-1))
+    return latest
+
+
+def held_back(operations, latest: list[Optional[int]], index: int) -> tuple[str, ...]:
+    """The ops after the one at `index` that read nothing made after it but constants: every
+    later op but those constants waits for one of them, so holding these back holds back the
+    rest of the step."""
+    return tuple(operations[j].name for j in range(index + 1, len(operations))
+                 if latest[j] is not None and latest[j] <= index)
 
 
 def _gate(operations, index: int) -> Optional[str]:
@@ -312,5 +337,7 @@ def _with_clone_readers(graph_def, plan: MemoryPlan, operations) -> list[Swap]:
                 own, backward_consumers=own.backward_consumers + clones)
         else:
             swaps.append(Swap(read, clones, operations[decision[read].prefetch_after].name,
-                              _gate(operations, copied_out_before[read])))
+                              _gate(operations, copied_out_before[read]),
+                              held_back(operations, latest_inputs(operations),
+                                        decision[read].prefetch_after)))
     return swaps

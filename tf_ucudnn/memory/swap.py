@@ -37,10 +37,20 @@ class Swap(KeptTensor):
     `prefetch_after` (a node name, or None: as soon as possible) ran. `copied_out_before`
     (a node name, or None) waits for the copy out to end: TensorFlow's executor queues GPU
     kernels well ahead of the device, while a copy frees its source only once it ran, so
-    without the wait the executor allocates for later ops while the buffer is still held."""
+    without the wait the executor allocates for later ops while the buffer is still held.
+    `held_back` (node names) wait until the copy back has been queued: TensorFlow queues a copy
+    to a GPU behind all the work already queued on the GPU's compute stream (the buffer it
+    copies into may still be read there), and its executor queues work as far ahead as it can,
+    so without them the copy would start only once the GPU had nothing left to do but wait for
+    it. Held back until then, the ops after the prefetch op run while the copy does."""
 
     prefetch_after: Optional[str] = None
     copied_out_before: Optional[str] = None
+    held_back: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "held_back", tuple(self.held_back))
 
 
 class SwapError(ValueError):
@@ -76,6 +86,12 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
             name = getattr(swap, role)
             if name is not None and name not in nodes:
                 raise SwapError(f"{swap.tensor}: {role} names no node ({name!r})")
+        if swap.held_back and swap.prefetch_after is None:
+            raise SwapError(f"{swap.tensor}: ops held back for a copy back that has no "
+                            "prefetch op to start after")
+        unknown = [name for name in swap.held_back if name not in nodes]
+        if unknown:
+            raise SwapError(f"{swap.tensor}: held_back names no node ({unknown[0]!r})")
         base = _scope(swap)
         swap_out = result.node.add(name=f"{base}/out", op="Identity", device=HOST,
                                    input=[swap.tensor])
@@ -89,6 +105,9 @@ def insert_swaps(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap],
             protect(nodes[swap.prefetch_after])
         swap_in = result.node.add(name=f"{base}/in", op="Identity",
                                   device=producer.device or device, input=[on_host[-1].name])
+        for name in swap.held_back:
+            nodes[name].input.append(f"^{on_host[-1].name}")
+            protect(nodes[name])
         if swap.copied_out_before is not None:
             nodes[swap.copied_out_before].input.append(f"^{swap_out.name}")
             protect(nodes[swap.copied_out_before])
@@ -106,24 +125,34 @@ def _scope(swap: Swap) -> str:
 
 
 def _check_acyclic(graph_def: graph_pb2.GraphDef, swaps: Sequence[Swap]) -> None:
-    """A swap-in that waits for an op which itself needs the swapped-in tensor would deadlock."""
+    """A swap-in that waits for an op which itself needs the swapped-in tensor, or an op held
+    back that the copy back waits for, would deadlock."""
     consumers: dict[str, list[str]] = {}
     for node in graph_def.node:
         for text in node.input:
             consumers.setdefault(text.lstrip("^").rsplit(":", 1)[0], []).append(node.name)
-    for swap in swaps:
-        if swap.prefetch_after is None:
-            continue
-        start = f"{_scope(swap)}/in"
-        seen, frontier = {start}, [start]
+
+    def reaches(starts, target: str) -> bool:
+        seen, frontier = set(starts), list(starts)
         while frontier:
             for name in consumers.get(frontier.pop(), ()):
-                if name == swap.prefetch_after:
-                    raise SwapError(f"{swap.tensor}: the swap-in waits for {name}, which needs "
-                                    "the swapped-in tensor: the step would deadlock")
+                if name == target:
+                    return True
                 if name not in seen:
                     seen.add(name)
                     frontier.append(name)
+        return False
+
+    for swap in swaps:
+        if swap.prefetch_after is None:
+            continue
+        if reaches([f"{_scope(swap)}/in"], swap.prefetch_after):
+            raise SwapError(f"{swap.tensor}: the swap-in waits for {swap.prefetch_after}, which "
+                            "needs the swapped-in tensor: the step would deadlock")
+        if swap.held_back and reaches(swap.held_back, swap.prefetch_after):
+            raise SwapError(f"{swap.tensor}: an op held back for the copy back leads to "
+                            f"{swap.prefetch_after}, which the copy back waits for: the step "
+                            "would deadlock")
 
 
 def swap_function(function, swaps: Sequence[Swap], device: Optional[str] = None):
