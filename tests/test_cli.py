@@ -90,3 +90,20 @@ def test_convert_command_without_profiles_says_so(tmp_path, capsys):
     assert code == 2
     assert "no plans can be made: cannot tell which machine's" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_command_passes_the_micro_batch_counts_on(monkeypatch):
+    from tf_ucudnn import cli
+    from tf_ucudnn.converter import ConversionError
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["micro_batches"])
+        raise ConversionError("stopped, for a test")
+
+    monkeypatch.setattr(cli, "Converter", recording)
+    arguments = ["convert", "in", "out", "--batch-size", "6", "--memory-budget", "1GiB"]
+    assert main([*arguments, "--micro-batches", "2", "3"]) == 2
+    assert main(arguments) == 2
+    assert seen == [[2, 3], [4, 8]]

@@ -186,3 +186,35 @@ def test_a_memory_budget_is_checked_per_signature(saved_model, tmp_path):
                       device_model=SLOW_LINK)
     with pytest.raises(BudgetError, match="cannot be met"):
         tight.convert()
+
+
+def test_a_memory_budget_only_micro_batches_meet_runs_the_first_layers_in_them(tmp_path):
+    from training_steps import SLOW_LINK
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2D(4, 3, padding="same")(keras.layers.MaxPooling2D(4)(x))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x)))
+    path = str(tmp_path / "pooled")
+    model.export(path, verbose=0)
+    roomy = Converter(path, batch_size=BATCH, planner=split_in_two, memory_budget="1GiB",
+                      device_model=SLOW_LINK)
+    roomy.convert()
+    # Serving keeps nothing for a backward pass: no swap or recomputation goes below this.
+    peak = min(report.memory.decisions.prediction.peak_bytes for report in roomy.reports.values())
+    tight = Converter(path, batch_size=BATCH, planner=split_in_two, memory_budget=peak - 1,
+                      device_model=SLOW_LINK, micro_batches=(2, 3))
+    tight.convert()
+    for report in tight.reports.values():
+        assert report.memory_prefix.cut.endswith("MaxPool2d:0")
+        assert report.memory_prefix.micro_batches in (2, 3)
+        assert report.memory.decisions.prediction.peak_bytes < peak
+    assert "micro-batches" in tight.summary()
+    tight.save(str(tmp_path / "out"))
+    signature = tf.saved_model.load(str(tmp_path / "out")).signatures["serving_default"]
+    (name,) = signature.structured_input_signature[1]
+    x = np.random.RandomState(2).rand(BATCH, 16, 16, 3).astype("float32")
+    (output,) = signature(**{name: tf.constant(x)}).values()
+    np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)

@@ -6,8 +6,8 @@
 
 Convolutions are rewritten first (their plans bound each kernel's workspace); with a memory budget
 the rewritten training step then gets the swaps and recomputations that fit its tensors in the
-budget. With a spatial split, each convolution layer is split over devices instead, each device's
-part planned.
+budget, and where they cannot, its first ops run in micro-batches too. With a spatial split, each
+convolution layer is split over devices instead, each device's part planned.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tf_ucudnn.graph.rewrite import (
 )
 from tf_ucudnn.graph.spatial_split import split_graph_def
 from tf_ucudnn.memory.performance_model import DeviceModel
-from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+from tf_ucudnn.memory.planner import plan_step_with_prefix
 from tf_ucudnn.parallel import spatial
 from tf_ucudnn.planner import DatabasePlanner, parse_bytes
 
@@ -33,7 +33,8 @@ Size = Union[int, str, None]
 def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size = None,
             workspace_budget: Size = None, memory_budget: Size = None,
             spatial_split: Optional[int] = None, devices: Optional[Sequence[str]] = None,
-            device_model=None, step_ms: Optional[float] = None, inline_functions: bool = False,
+            device_model=None, step_ms: Optional[float] = None,
+            micro_batches: Sequence[int] = (4, 8), inline_functions: bool = False,
             **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
@@ -56,8 +57,13 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     the split layers, whole on the default device; each layer's slabs live inside its call, for
     the call's time, unseen by the plan), with `device_model` (a
     `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
-    time of the step without swaps (`step_ms`) to calibrate the op time estimates. A budget that
-    cannot be met raises `tf_ucudnn.memory.BudgetError`, saying by how much.
+    time of the step without swaps (`step_ms`) to calibrate the op time estimates. Where no such
+    plan fits, the step's ops up to a pooling run in micro-batches, made again for the backward
+    pass (`tf_ucudnn.memory.graph_prefix`): after the shallowest pooling at which the plan then
+    fits, in whichever of `micro_batches` gives the shortest predicted step. The report's
+    `memory` is the plan, its `memory_prefix` the choice (the pooling's output and the count,
+    or none) with every choice passed over and why. A budget that cannot be met raises
+    `tf_ucudnn.memory.BudgetError`, saying by how much and what was tried.
     """
     plans_convolutions = planner is not None or workspace_limit is not None or \
         workspace_budget is not None
@@ -98,6 +104,8 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
 
     step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
         else rewritten
-    report.memory = plan_step_memory(step, parse_bytes(memory_budget),
-                                     device_model or DeviceModel.measure(), step_ms=step_ms)
-    return apply_memory_plan(step, report.memory), report
+    planned, report.memory_prefix = plan_step_with_prefix(
+        step, parse_bytes(memory_budget), device_model or DeviceModel.measure(), step_ms=step_ms,
+        micro_batches=micro_batches)
+    report.memory = report.memory_prefix.plan
+    return planned, report

@@ -174,6 +174,7 @@ def _convert_command(args) -> int:
                           workspace_limit=args.workspace_limit,
                           workspace_budget=args.workspace_budget,
                           memory_budget=args.memory_budget,
+                          micro_batches=args.micro_batches,
                           signature_keys=args.signatures,
                           database=args.database, profiles=args.profiles, device=args.device,
                           cudnn_version=args.cudnn_version)
@@ -223,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="per kernel, e.g. 64MiB, 1GiB (default 64MiB)")
     convert.add_argument("--memory-budget",
                          help="device memory each signature must fit in at --batch-size")
+    convert.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8],
+                         help="numbers of micro-batches to try for the ops up to a pooling "
+                              "where the memory budget needs them (default 4 8)")
     convert.add_argument("--workspace-budget",
                          help="all kernels' workspaces together, planned by the network ILP")
     convert.add_argument("--signatures", nargs="*", help="signature keys to convert (default all)")

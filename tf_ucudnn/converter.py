@@ -39,7 +39,9 @@ class Converter:
       workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
       memory_budget: optionally, the device memory each signature's graph must fit in at the
         planned batch size (checked by the memory planner, which also swaps and recomputes
-        where a signature keeps tensors for a backward pass); a BudgetError says by how much.
+        where a signature keeps tensors for a backward pass, and where that is not enough runs
+        its ops up to a pooling in micro-batches); a BudgetError says by how much.
+      micro_batches: the numbers of micro-batches to try for that (`tf_ucudnn.rewrite`'s).
       device_model: the `tf_ucudnn.memory.DeviceModel` for that (measured on a GPU if not given).
       workspace_budget: optionally, a bound on all kernels' workspaces together (planned by the
         network-wide ILP).
@@ -53,7 +55,7 @@ class Converter:
                  workspace_limit: Union[int, str] = "64MiB",
                  workspace_budget: Union[int, str, None] = None,
                  memory_budget: Union[int, str, None] = None, device_model=None,
-                 planner: Optional[Planner] = None,
+                 micro_batches: Sequence[int] = (4, 8), planner: Optional[Planner] = None,
                  signature_keys: Optional[Sequence[str]] = None, database: str = DEFAULT_DATABASE,
                  profiles: Sequence[str] = (), device: Optional[str] = None,
                  cudnn_version: Optional[int] = None):
@@ -67,6 +69,7 @@ class Converter:
                                        else parse_bytes(workspace_budget))
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self._device_model = device_model
+        self.micro_batches = tuple(micro_batches)
         self._planner_options = dict(database=database, profiles=profiles, device=device,
                                      cudnn_version=cudnn_version,
                                      workspace_budget=self.workspace_budget_bytes)
@@ -131,8 +134,9 @@ class Converter:
         if self.memory_budget_bytes is not None:
             planned, with_memory = rewrite(planned.get_concrete_function(),
                                            memory_budget=self.memory_budget_bytes,
-                                           device_model=self._device_model)
-            report.memory = with_memory.memory
+                                           device_model=self._device_model,
+                                           micro_batches=self.micro_batches)
+            report.memory, report.memory_prefix = with_memory.memory, with_memory.memory_prefix
         names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
         planned_shape = tf.constant([self.batch_size], tf.int64)
 

@@ -78,12 +78,16 @@ class RewriteReport:
     left_alone: list = dataclasses.field(default_factory=list)
     spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
     memory: Optional[object] = None  # a tf_ucudnn.memory.planner.MemoryPlan, when one was made
+    # With it, a tf_ucudnn.memory.planner.PrefixStepPlan: the ops run in micro-batches, if any,
+    # and the choices passed over.
+    memory_prefix: Optional[object] = None
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
                 "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
                 "spatial": [item.to_json() for item in self.spatial],
-                "memory": self.memory.to_json() if self.memory else None}
+                "memory": self.memory.to_json() if self.memory else None,
+                "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -100,6 +104,8 @@ class RewriteReport:
             lines.append(f"  left alone {item.node}{where}: {item.reason}")
         if self.memory:
             lines.append(self.memory.to_text())
+        if self.memory_prefix and self.memory_prefix.cut:
+            lines.append(self.memory_prefix.to_text())
         return "\n".join(lines)
 
 

@@ -249,7 +249,7 @@ def _graph_of(target) -> tuple[tf.Graph, set[str]]:
                     f"{type(target).__name__}")
 
 
-def _backward_ops(operations) -> list[bool]:
+def backward_ops(operations) -> list[bool]:
     """The ops under a gradient scope and all that depend on them (tf.GradientTape names its
     gradient sums AddN_<k>, outside the scope; optimizer updates follow them)."""
     index = {op.name: i for i, op in enumerate(operations)}
@@ -286,7 +286,7 @@ def analyze(target) -> LivenessReport:
     """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
     graph, returned = _graph_of(target)
     operations = graph.get_operations()
-    is_backward = _backward_ops(operations)
+    is_backward = backward_ops(operations)
 
     # Each tensor's buffer: itself, or for aliasing ops the buffer of their input.
     buffers: dict[str, str] = {}

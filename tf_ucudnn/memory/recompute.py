@@ -94,7 +94,7 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
                 raise RecomputeError(f"{recompute.tensor}: {name}: {reason}")
             clone = result.node.add()
             clone.CopyFrom(original)
-            clone.name = _unique(f"{name}{CLONE}", taken)
+            clone.name = unique_name(f"{name}{CLONE}", taken)
             reads_a_clone = False
             for i, text in enumerate(clone.input):
                 source, _, index = text.lstrip("^").partition(":")
@@ -118,7 +118,8 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
     return result
 
 
-def _unique(name: str, taken: set) -> str:
+def unique_name(name: str, taken: set) -> str:
+    """`name`, or the first of `name_2`, `name_3`, ... not in `taken`; added to it."""
     candidate, count = name, 1
     while candidate in taken:
         count += 1

@@ -16,7 +16,12 @@ import tensorflow as tf
 from tf_ucudnn.batch_norm_fusion import fused_batch_norm, kernel_name
 from tf_ucudnn.memory.microbatched_prefix import PrefixError, cut, microbatched_model_call
 from tf_ucudnn.memory.performance_model import BudgetError, DeviceModel
-from tf_ucudnn.memory.planner import MemoryPlan, apply_memory_plan, op_times, plan_step_memory
+from tf_ucudnn.memory.planner import (
+    MemoryPlan,
+    apply_memory_plan,
+    plan_step_memory,
+    plan_with_micro_batches,
+)
 
 MIB = 1 << 20
 
@@ -169,59 +174,30 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
     shortfall, if nothing fits; its message lists what was tried. `trace(layer, count)` gives
     the step to plan (a ConcreteFunction), the layers up to `layer` in `count` micro-batches
     (`layer` None: whole batches); by default `keras_training_step`'s."""
-    passed_over, errors = [], []
-    micro_batches = tuple(micro_batches)  # tried again for each cut
-    whole_ms = None  # the whole-batch step's roofline estimate, to scale `step_ms` by
-
-    def attempt(layer: Optional[str], count: int):
-        nonlocal whole_ms
-        step = (trace(layer, count) if trace is not None else
+    def traced(layer: Optional[str], count: int):
+        return (trace(layer, count) if trace is not None else
                 keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
                                     micro_batched_until=layer, micro_batches=count))
-        # `step_ms` is the whole-batch step's; micro-batches run the prefix twice, so theirs is
-        # longer by what the estimates add.
-        calibrated = None
-        if step_ms is not None:
-            estimate = sum(op_times(step.graph, device_model, None, None))
-            whole_ms = whole_ms or estimate
-            calibrated = step_ms * estimate / whole_ms
-        try:
-            return step, plan_step_memory(step, budget_bytes, device_model, step_ms=calibrated)
-        except BudgetError as error:
-            errors.append(error)
-            where = f"up to {layer} in {count} micro-batches" if layer else "whole batches"
-            passed_over.append(f"{where}: {error.shortfall_bytes / MIB:.1f} MiB over")
-            return None
 
-    result, chosen = attempt(None, 1), (None, 1)
-    if result is None:
-        for layer in _cuts(model, cuts, passed_over):
-            fitting = {count: found for count in micro_batches
-                       if count <= batch_size and (found := attempt(layer, count))}
-            if fitting:
-                count = min(fitting, key=lambda c: fitting[c][1].decisions.prediction.step_ms)
-                result, chosen = fitting[count], (layer, count)
-                break
-    if result is None:
-        error = min(errors, key=lambda e: e.shortfall_bytes)
-        raise BudgetError(error.budget_bytes, error.prediction, tried="; ".join(passed_over))
-    step, plan = result
-    return apply_memory_plan(step, plan), KerasStepPlan(plan, *chosen, passed_over)
+    found = plan_with_micro_batches(traced, budget_bytes, device_model, step_ms,
+                                    _cuts(model, cuts), micro_batches, batch_size)
+    return apply_memory_plan(found.step, found.plan), KerasStepPlan(
+        found.plan, found.cut, found.micro_batches, found.passed_over)
 
 
 _POOLINGS = (tf.keras.layers.MaxPooling2D, tf.keras.layers.AveragePooling2D,
              tf.keras.layers.MaxPooling3D, tf.keras.layers.AveragePooling3D)
 
 
-def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]], passed_over: list[str]):
-    """The layers (`names`, or the poolings) after which the model can be cut, in order; the
-    others are added to `passed_over` with the reason."""
+def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]]):
+    """The layers (`names`, or the poolings) to cut the model after, in order, each with None
+    where it can be cut there, else the reason."""
     names = list(names) if names is not None else [
         layer.name for layer in model.layers if isinstance(layer, _POOLINGS)]
     for name in names:
         try:
             cut(model, name)
         except PrefixError as error:
-            passed_over.append(f"up to {name}: {error}")
+            yield name, str(error)
             continue
-        yield name
+        yield name, None
