@@ -17,8 +17,8 @@ times, and tells the share of the speed those settings give from the plan's (VGG
 steps, without the layout optimizer, ran 60% faster than TensorFlow's default step on the H100).
 With `--keras-fit-tries N`, Keras's `model.fit` is timed too, compiled with its defaults (XLA on
 a GPU, which the planned steps do not use but for batch normalization with `xla`), from
-TensorFlow's largest batch: on the H100 it ran ResNet-50 at batch 192 2.5 times as fast as
-TensorFlow's default step.
+TensorFlow's largest batch, each batch size in a child process under the same cap: on the H100
+it ran ResNet-50 at batch 192 2.5 times as fast as TensorFlow's default step.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 """
 
@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from typing import Optional
 
@@ -109,35 +111,61 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
     return good, rates.get(good)
 
 
-def _keras_fit(model, shape, batch: int, step: int, steps: int, tries: int) -> dict:
+def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
+               memory_limit_gib: float) -> dict:
     """Keras's own training loop as a user runs it (`model.fit`, compiled with its defaults: XLA
     where the model allows): images per second at up to `tries` batch sizes, `batch` first,
     then `step` apart, up while they train or down until one does. Each batch is an XLA
-    compilation of its own (a minute or so for ResNet-50 on the H100)."""
-    import keras
-
-    model.compile(keras.optimizers.SGD(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-    def rate(size):
-        images = tf.random.stateless_uniform([size, *shape], seed=[1, 2])
-        data = tf.data.Dataset.from_tensors((images, tf.zeros([size], tf.int32))).repeat()
-
-        def timed():
-            # The first steps trace and compile.
-            model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
-            start = time.perf_counter()
-            model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
-            return size * steps / (time.perf_counter() - start)
-        return _try(timed)[0]
-
-    trials, size = {}, batch
+    compilation of its own (a minute or so for ResNet-50 on the H100), and runs in a process of
+    its own under the same cap: under it, TensorFlow 2.21 has aborted inside XLA (a BFC
+    allocator check) rather than report running out of memory, which would end this run too."""
+    trials, failures, size = {}, {}, batch
     while len(trials) < tries and size > 0 and size not in trials:
-        trials[size] = rate(size)
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--keras-fit-child", name, str(size),
+             str(steps), "--memory-limit-gib", str(memory_limit_gib), "--out", os.devnull],
+            capture_output=True, text=True)
+        lines = child.stdout.strip().splitlines()
+        result = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
+        trials[size] = result.get("img_per_s")
+        if trials[size] is None:
+            tail = [line for line in child.stderr.splitlines() if line.strip()][-3:]
+            failures[size] = result.get("error") or \
+                f"exit status {child.returncode}: " + " | ".join(tail)[-400:]
         size += step if trials[size] else -step
     largest = max((b for b, r in trials.items() if r), default=None)
-    return {"jit_compile": bool(model.jit_compile), "largest_batch_tried": largest,
-            "img_per_s": trials.get(largest), "img_per_s_by_batch": trials}
+    return {"largest_batch_tried": largest, "img_per_s": trials.get(largest),
+            "img_per_s_by_batch": trials, "failures": failures}
+
+
+def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
+    """One batch size of `_keras_fit`, in this process (its child)."""
+    import keras
+
+    model = _load_model(name, smoke)
+    shape = model.input_shape[1:]
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
+    data = tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
+
+    def timed():
+        # The first steps trace and compile.
+        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
+        start = time.perf_counter()
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+        return batch * steps / (time.perf_counter() - start)
+    rate, error = _try(timed)
+    return {"jit_compile": bool(model.jit_compile), "img_per_s": rate, "error": error}
+
+
+def _load_model(name: str, smoke: bool):
+    if not smoke:
+        from tf_ucudnn import models
+        return models.load_model(name)
+    return tf.keras.Sequential([
+        tf.keras.Input((32, 32, 3)), tf.keras.layers.Conv2D(8, 3, activation="relu"),
+        tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
 
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
@@ -191,14 +219,20 @@ def main():
     parser.add_argument("--link-gb-s", type=float, nargs=2, metavar=("D2H", "H2D"),
                         help="host link bandwidths to plan with, instead of measuring them")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
+    parser.add_argument("--keras-fit-child", nargs=3, metavar=("MODEL", "BATCH", "STEPS"),
+                        help=argparse.SUPPRESS)  # one batch of --keras-fit-tries, in a child
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.keras_fit_child:
+        name, batch, steps = args.keras_fit_child
+        _cap_gpu_memory(args.memory_limit_gib)
+        print(json.dumps(_keras_fit_child(name, int(batch), int(steps), name == "smoke")))
+        return
     # The first step's convolution autotuning would hold uncounted copies of their outputs
     # (tf_ucudnn.memory.apply_memory_plan); TensorFlow's own steps run the same way.
     os.environ.setdefault("TF_DISABLE_RZ_CHECK", "1")
     device = _cap_gpu_memory(args.memory_limit_gib)
 
-    from tf_ucudnn import models
     from tf_ucudnn.memory import DeviceModel, analyze, keras_training_step
 
     device_model = (DeviceModel("smoke", 1e10, 1e10) if args.smoke else
@@ -215,10 +249,7 @@ def main():
     for name in (["smoke"] if args.smoke else args.models):
         tf.config.optimizer.set_experimental_options({"layout_optimizer": True})  # plain TF's own
         tf.keras.utils.set_random_seed(0)
-        model = (tf.keras.Sequential([
-            tf.keras.Input((32, 32, 3)), tf.keras.layers.Conv2D(8, 3, activation="relu"),
-            tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
-            if args.smoke else models.load_model(name))
+        model = _load_model(name, args.smoke)
         shape = model.input_shape[1:]
         batch, rate = _largest_plain_batch(model, shape, args.start_batch, args.max_batch,
                                            args.steps)
@@ -254,8 +285,9 @@ def main():
             calibration_rate = as_planned_rate or rate
             print(name, "as planned", as_planned_batch, as_planned_rate, flush=True)
         if batch and args.keras_fit_tries:
-            entry["keras_fit"] = _keras_fit(model, shape, batch, args.start_batch, args.steps,
-                                            args.keras_fit_tries)
+            entry["keras_fit"] = _keras_fit(name, batch, args.start_batch, args.steps,
+                                            args.keras_fit_tries, args.memory_limit_gib)
+            print(name, "Keras fit", json.dumps(entry["keras_fit"])[:300], flush=True)
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate
         # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to
