@@ -18,144 +18,53 @@ time goes: recomputations, swaps, or ops slower than in the unplanned step.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import tempfile
 
 import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-
-def _stats(plane, event) -> dict:
-    values = {}
-    for stat in event.stats:
-        kind = stat.WhichOneof("value")
-        values[plane.stat_metadata[stat.metadata_id].name] = (
-            plane.stat_metadata[stat.ref_value].name if kind == "ref_value"
-            else getattr(stat, kind))
-    return values
-
-
-def read_profile(xspace_path: str) -> xplane_pb2.XSpace:
-    space = xplane_pb2.XSpace()
-    with open(xspace_path, "rb") as file:
-        space.ParseFromString(file.read())
-    return space
-
-
-def alive_at_peak(space: xplane_pb2.XSpace, device_allocator: bool, top: int = 40) -> dict:
-    """Replays the allocator events of one profile: the peak, the op at it, and the largest
-    buffers alive then, with the op that allocated each."""
-    events = []
-    for plane in space.planes:
-        for line in plane.lines:
-            for event in line.events:
-                kind = plane.event_metadata[event.metadata_id].name
-                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-                    continue
-                stats = _stats(plane, event)
-                if ("GPU" in str(stats.get("allocator_name", ""))) == device_allocator:
-                    events.append((line.timestamp_ns + event.offset_ps / 1000, kind, stats))
-    events.sort(key=lambda e: e[0])
-    live, peak, at_peak, peak_op = {}, -1, {}, None
-    for _, kind, stats in events:
-        if kind == "MemoryAllocation":
-            live[stats.get("addr")] = (int(stats.get("requested_bytes", 0)),
-                                       str(stats.get("tf_op", "")))
-        else:
-            live.pop(stats.get("addr"), None)
-        in_use = int(stats.get("bytes_allocated", 0))
-        if in_use > peak:
-            peak, at_peak, peak_op = in_use, dict(live), str(stats.get("tf_op", ""))
-    largest = sorted(at_peak.values(), key=lambda v: -v[0])[:top]
-    return {"peak_bytes": peak, "peak_op": peak_op, "events": len(events),
-            "largest_alive": [{"bytes": size, "op": op} for size, op in largest]}
-
-
-def measured_op_ms(space: xplane_pb2.XSpace, on_gpu: bool) -> dict:
-    """Each op's time in one profile, in ms: on a GPU, its kernels' (the device tracer tags
-    each kernel with the op that launched it); on the CPU, its own run on the executor's
-    threads."""
-    times: dict = {}
-    for plane in space.planes:
-        if on_gpu != plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not on_gpu and not line.name.startswith("tf_Compute"):
-                continue
-            for event in line.events:
-                name = (str(_stats(plane, event).get("tf_op", "")) if on_gpu
-                        else plane.event_metadata[event.metadata_id].name)
-                if ":" in name and "::" not in name:  # "op:Type", not a runtime's "Class::method"
-                    op = name.rsplit(":", 1)[0]
-                    times[op] = times.get(op, 0.0) + event.duration_ps / 1e9
-    return times
-
-
-def gpu_intervals(space: xplane_pb2.XSpace) -> dict:
-    """Each op's GPU activity in one profile: (first start, last end) in ms from the step's first
-    kernel, kernels and copies alike, with whether any was a copy."""
-    spans: dict = {}
-    for plane in space.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                stats = _stats(plane, event)
-                name = str(stats.get("tf_op", ""))
-                if ":" not in name or "::" in name:
-                    continue
-                start = line.timestamp_ns / 1e6 + event.offset_ps / 1e9
-                end = start + event.duration_ps / 1e9
-                copy = "memcpy" in plane.event_metadata[event.metadata_id].name.lower()
-                first, last, copies = spans.get(name.rsplit(":", 1)[0], (start, end, False))
-                spans[name.rsplit(":", 1)[0]] = (min(first, start), max(last, end),
-                                                 copies or copy)
-    origin = min((first for first, _, _ in spans.values()), default=0.0)
-    return {op: (first - origin, last - origin, copy) for op, (first, last, copy) in spans.items()}
+from tf_ucudnn.profiling.step_trace import (
+    alive_at_peak,
+    device_timeline,
+    gpu_events,
+    measured_op_ms,
+    op_spans,
+    read_profile,
+)
 
 
 def timeline_report(spans: dict, swaps) -> dict:
     """The step's wall time on the GPU, the time no kernel ran (copies aside), and for each swap
     when its copy back ran against its prefetch op and its first backward consumer: a copy
     that ends after the consumer could have started leaves the GPU waiting; one that starts long
-    before the prefetch op holds the tensor early."""
-    kernels = sorted((first, last, op) for op, (first, last, copy) in spans.items() if not copy)
-    idle, reached, before, gaps = 0.0, kernels[0][0] if kernels else 0.0, None, []
-    for first, last, op in kernels:
-        if first > reached:
-            idle += first - reached
-            gaps.append({"ms": round(first - reached, 2), "at_ms": round(reached, 2),
-                         "after": before, "before": op})
-        if last > reached:
-            reached, before = last, op
+    before the prefetch op holds the tensor early. `spans`: the GPU's, from `op_spans`."""
     from tf_ucudnn.memory.swap import SWAP
 
+    timeline = device_timeline(spans, top=20)
     rows = []
     # The traced function's ops carry the scope of its call: match on the graph's own names.
     spans = {op.split("/", 1)[1] if op.startswith("ucudnn/") else op: span
              for op, span in spans.items()}
     for swap in swaps:
         scope = f"{swap.producer}{SWAP}{swap.output_index}/"
-        copies = [(first, last) for op, (first, last, copy) in spans.items()
-                  if copy and op.startswith(scope)]
-        copies_out = [(first, last) for op, (first, last, copy) in spans.items()
-                      if copy and re.fullmatch(re.escape(swap.producer) + r"/_\d+", op)]
-        consumers = [spans[c][0] for c in swap.backward_consumers if c in spans]
+        copies = [(span.first_ms, span.last_ms) for op, span in spans.items()
+                  if span.copy and op.startswith(scope)]
+        copies_out = [(span.first_ms, span.last_ms) for op, span in spans.items()
+                      if span.copy and re.fullmatch(re.escape(swap.producer) + r"/_\d+", op)]
+        consumers = [spans[c].first_ms for c in swap.backward_consumers if c in spans]
         prefetch = spans.get(swap.prefetch_after)
         gate = spans.get(swap.copied_out_before)
         rows.append({"tensor": swap.tensor, "prefetch_after": swap.prefetch_after,
-                     "prefetch_op_ms": prefetch and round(prefetch[0], 2),
+                     "prefetch_op_ms": prefetch and round(prefetch.first_ms, 2),
                      "copy_out_ms": [round(x, 2) for x in min(copies_out)] if copies_out else None,
                      "copy_in_ms": [round(x, 2) for x in min(copies)] if copies else None,
                      "first_consumer_ms": round(min(consumers), 2) if consumers else None,
                      "copied_out_before": swap.copied_out_before,
-                     "copied_out_before_ms": gate and round(gate[0], 2)})
-    return {"wall_ms": max((last for _, last, _ in spans.values()), default=0.0),
-            "no_kernel_running_ms": idle, "swaps": rows,
-            "longest_gaps": sorted(gaps, key=lambda gap: -gap["ms"])[:20]}
+                     "copied_out_before_ms": gate and round(gate.first_ms, 2)})
+    return {"wall_ms": timeline["wall_ms"], "no_kernel_running_ms": timeline["idle_ms"],
+            "swaps": rows, "longest_gaps": timeline["longest_gaps"]}
 
 
 def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 60) -> dict:
@@ -245,8 +154,7 @@ def main():
             if profiled:
                 tf.profiler.experimental.stop()
     result["measured_peak_bytes"] = tf.config.experimental.get_memory_info(device)["peak"]
-    (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-    space = read_profile(path)  # read once: with the device tracer on, it is large
+    space = read_profile(logdir)  # read once: with the device tracer on, it is large
     result.update(alive_at_peak(space, device_allocator=bool(gpus)))
     if args.op_times:
         graph = step.graph if hasattr(step, "graph") else step.get_concrete_function(x, y).graph
@@ -254,7 +162,8 @@ def main():
                                             measured_op_ms(space, on_gpu=bool(gpus)), link,
                                             args.step_ms)
         if gpus and args.budget_gib:
-            result["timeline"] = timeline_report(gpu_intervals(space), chosen.plan.swaps)
+            spans = op_spans(gpu_events(space)).get("/device:GPU:0", {})
+            result["timeline"] = timeline_report(spans, chosen.plan.swaps)
     with open(args.out, "w") as out:
         json.dump(result, out, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k not in ("largest_alive", "op_times", "timeline")}),

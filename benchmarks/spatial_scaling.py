@@ -9,7 +9,9 @@ prediction, calibrated by the measured one-GPU speed and device-to-device bandwi
 
 `--memory-limit-gib` caps each GPU (a logical device with `memory_limit`), to show a sample that
 needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical CPUs with a tiny
-volume, to check the script.
+volume, to check the script. `--timeline` traces one step on one GPU and on the most, to show
+where the devices wait for each other: each GPU's time with no kernel, its longest gaps with the
+ops around them, and its copies to or from the others.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -41,11 +45,10 @@ def _setup_devices(smoke: bool, count: int, memory_limit_gib: float) -> list[str
     return [f"/GPU:{i}" for i in range(count)]
 
 
-def _time_steps(make_model, size, channels, batch, steps, strategy=None):
-    """Seconds per Keras training step (`train_on_batch`, so data groups go through the
-    strategy's all-reduce), after one step to build and trace. `size`: an edge, or (depth,
-    height, width). The batch is already on the first device, as a prefetching loader would
-    leave it: the host copy of a 128^3 batch would otherwise dominate the step."""
+def _build(make_model, size, channels, batch, strategy=None):
+    """A compiled model and a batch already on its first device, as a prefetching loader would
+    leave it: the host copy of a 128^3 batch would otherwise dominate the step. `size`: an
+    edge, or (depth, height, width)."""
     tf.keras.utils.set_random_seed(0)
     shape = (size,) * 3 if isinstance(size, int) else size
     with strategy.scope() if strategy else contextlib.nullcontext():
@@ -54,12 +57,49 @@ def _time_steps(make_model, size, channels, batch, steps, strategy=None):
     with tf.device(model.mesh[0][0]):
         x = tf.random.stateless_uniform([batch, *shape, channels], seed=[1, 2])
         y = tf.zeros([batch, 4])
+    return model, x, y
+
+
+def _time_steps(make_model, size, channels, batch, steps, strategy=None):
+    """Seconds per Keras training step (`train_on_batch`, so data groups go through the
+    strategy's all-reduce), after one step to build and trace."""
+    model, x, y = _build(make_model, size, channels, batch, strategy)
     model.train_on_batch(x, y)
     start = time.perf_counter()
     for _ in range(steps):
         loss = model.train_on_batch(x, y)
     float(loss)
     return (time.perf_counter() - start) / steps, model
+
+
+def _timeline(make_model, size, channels, batch, gaps: int = 10) -> dict:
+    """One training step traced with the GPUs' kernels and copies, after one to build it: each
+    GPU's busy and idle time, its longest gaps with no kernel and the ops around them, and its
+    copies to or from another device, all on one clock."""
+    from tf_ucudnn.profiling import step_trace
+
+    model, x, y = _build(make_model, size, channels, batch)
+    model.train_on_batch(x, y)
+    logdir = tempfile.mkdtemp(prefix="spatial_scaling")
+    tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=2, device_tracer_level=1))
+    try:
+        float(model.train_on_batch(x, y))
+    finally:
+        tf.profiler.experimental.stop()
+    space = step_trace.read_profile(logdir)
+    shutil.rmtree(logdir)
+    events = step_trace.gpu_events(space)
+    if not events:
+        gpus = [plane.name for plane in space.planes
+                if plane.name.startswith(step_trace.GPU_PLANE)]
+        return {"skipped": "the timeline is GPU-only: " + (
+            f"no kernel on {gpus} is tagged with its op" if gpus else "the trace has no GPU")}
+    timeline = step_trace.gpu_timeline(step_trace.op_spans(events), gaps)
+    copies = step_trace.cross_device_copies(events)
+    for device, row in timeline.items():
+        row["cross_device_copies"] = copies.get(device, [])
+    return {"wall_ms": max(row["wall_ms"] for row in timeline.values()), "devices": timeline}
 
 
 def _error_text(error: tf.errors.OpError) -> str:
@@ -96,6 +136,10 @@ def main():
     parser.add_argument("--tensorflow-conv", action="store_true",
                         help="each device's convolutions by TensorFlow's own Conv3D instead of "
                         "tf_ucudnn's op, for comparison")
+    parser.add_argument("--timeline", action="store_true",
+                        help="after the timings, trace one strong-scaling step on one device "
+                        "and on the most, and record each GPU's busy and idle time, its longest "
+                        "gaps and its copies between devices (GPU only)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -188,6 +232,16 @@ def main():
                 run[f"step_s_{devices}"] = None
                 run[f"error_{devices}"] = f"{type(error).__name__}: {_error_text(error)}"
         record("large_sample", run)
+
+    if args.timeline:  # where the devices of a spatial split wait for each other
+        results["timeline"] = {}
+        for devices in sorted({1, count}, reverse=True):
+            trace = _timeline(cosmoflow(args.edge, [all_devices[:devices]]), args.edge,
+                              args.channels, args.batch)
+            results["timeline"][f"spatial_{devices}"] = trace
+            print("timeline", devices, trace.get("skipped") or {
+                device: {key: row[key] for key in ("wall_ms", "busy_ms", "idle_ms")}
+                for device, row in trace["devices"].items()}, flush=True)
     with open(args.out, "w") as out:
         json.dump(results, out, indent=1)
 

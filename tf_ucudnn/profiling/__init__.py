@@ -1,4 +1,5 @@
-"""Measured cuDNN timings: records, JSON-lines files and the per-machine profile database."""
+"""Measured cuDNN timings: records, JSON-lines files and the per-machine profile database; and
+what a traced TensorFlow step did, from the profiler's XSpace (`step_trace`)."""
 
 from tf_ucudnn.profiling.database import ProfileDatabase, ProfileDatabaseError
 from tf_ucudnn.profiling.records import (
@@ -16,10 +17,24 @@ from tf_ucudnn.profiling.records import (
     read_jsonl,
     write_jsonl,
 )
+from tf_ucudnn.profiling.step_trace import (
+    GpuEvent,
+    Span,
+    alive_at_peak,
+    cross_device_copies,
+    device_timeline,
+    gpu_events,
+    gpu_timeline,
+    measured_op_ms,
+    op_spans,
+    read_profile,
+)
 
 __all__ = [
     "ALL_SIZES", "POLICIES", "POWER_OF_TWO", "UNDIVIDED",
-    "AlgorithmTiming", "ConvGeometry", "KernelKey", "KernelTimings", "ProfileDatabase",
-    "ProfileDatabaseError", "ProfileRecord",
-    "group_by_kernel", "micro_batch_sizes", "read_jsonl", "write_jsonl",
+    "AlgorithmTiming", "ConvGeometry", "GpuEvent", "KernelKey", "KernelTimings",
+    "ProfileDatabase", "ProfileDatabaseError", "ProfileRecord", "Span",
+    "alive_at_peak", "cross_device_copies", "device_timeline", "gpu_events", "gpu_timeline",
+    "group_by_kernel", "measured_op_ms", "micro_batch_sizes", "op_spans", "read_jsonl",
+    "read_profile", "write_jsonl",
 ]

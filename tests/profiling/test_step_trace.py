@@ -1,0 +1,211 @@
+"""step_trace: a traced step read from synthetic XSpaces built here, and from a real CPU trace."""
+
+import dataclasses
+import json
+
+import pytest
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+from tf_ucudnn.profiling import step_trace
+from tf_ucudnn.profiling.step_trace import Span
+
+MS = 10**9  # picoseconds
+US = 10**6
+
+
+class _Plane:
+    """An XPlane written as TensorFlow's profiler writes one: names stored once in the plane's
+    metadata, events at offsets from their line's timestamp."""
+
+    def __init__(self, space, name):
+        self.plane = space.planes.add(name=name)
+
+    def _metadata(self, table, name):
+        for key, metadata in table.items():
+            if metadata.name == name:
+                return key
+        key = len(table) + 1
+        table[key].id, table[key].name = key, name
+        return key
+
+    def line(self, name, timestamp_ns):
+        return self.plane.lines.add(name=name, timestamp_ns=timestamp_ns)
+
+    def event(self, line, name, offset_ps, duration_ps, ref=(), **values):
+        """Stats named in `ref` go in as the plane's strings (`ref_value`), as the device tracer
+        stores its `tf_op` and `memcpy_details`; other strings as `str_value`."""
+        event = line.events.add(metadata_id=self._metadata(self.plane.event_metadata, name),
+                                offset_ps=offset_ps, duration_ps=duration_ps)
+        for key, value in values.items():
+            stat = event.stats.add(metadata_id=self._metadata(self.plane.stat_metadata, key))
+            if key in ref:
+                stat.ref_value = self._metadata(self.plane.stat_metadata, value)
+            elif isinstance(value, str):
+                stat.str_value = value
+            else:
+                stat.int64_value = value
+
+
+def _kernel(plane, line, op, start_ms, end_ms, name="kernel"):
+    plane.event(line, name, round(start_ms * MS), round((end_ms - start_ms) * MS),
+                ref=("tf_op",), tf_op=op)
+
+
+def _copy(plane, line, op, kind, start_ms, end_ms, size=None):
+    details = {"memcpy_details": f"kind_src:device kind_dst:device size:{size} dest:1 async:1"}
+    plane.event(line, kind, round(start_ms * MS), round((end_ms - start_ms) * MS),
+                ref=("tf_op", "memcpy_details"), tf_op=op, **(details if size else {}))
+
+
+@pytest.fixture
+def space():
+    """Two GPUs whose lines start at different times: GPU:0's ops from 1 ms after its line's
+    start, GPU:1's line 0.5 ms later, so the ms below are from GPU:0's first op."""
+    space = xplane_pb2.XSpace()
+    gpu0 = _Plane(space, "/device:GPU:0")
+    compute, side, copies = (gpu0.line(name, 1_000_000) for name in (
+        "Stream #7(Kernel)", "Stream #9(Kernel)", "Stream #11(MemcpyH2D,MemcpyD2H)"))
+    _kernel(gpu0, compute, "conv0:Conv3D", 0.0, 2.0)
+    _kernel(gpu0, compute, "conv0:Conv3D", 2.5, 3.0, name="another_kernel")
+    _kernel(gpu0, side, "small:Add", 1.0, 2.0)  # inside conv0: adds no busy time
+    _kernel(gpu0, side, "bias0:BiasAdd", 2.0, 3.5)  # overlaps conv0's end
+    _kernel(gpu0, compute, "relu0:Relu", 4.0, 5.0)
+    _kernel(gpu0, compute, "relu1:Relu", 7.0, 8.0)
+    _copy(gpu0, copies, "swap_in:Identity", "MemcpyH2D", 0.5, 1.5, size=64)
+    # A halo sent through the host (no peer access): a device copy by its op, not its name.
+    _copy(gpu0, copies, "halo/_5:_Send", "MemcpyD2H", 5.0, 6.0, size=4096)
+    # Before every op's event, so it would move the origin if it were read.
+    early = gpu0.line("Stream #13", 200_000)
+    gpu0.event(early, "unlabelled_kernel", 0, 2 * MS)
+    gpu0.event(early, "runtime_kernel", 0, 2 * MS, ref=("tf_op",), tf_op="Executor::Run")
+
+    gpu1 = _Plane(space, "/device:GPU:1")
+    compute, copies = gpu1.line("Stream #7(Kernel)", 1_500_000), \
+        gpu1.line("Stream #14(MemcpyP2P,MemcpyD2D)", 1_500_000)
+    _copy(gpu1, copies, "halo/_6:_Recv", "MemcpyP2P", 4.5, 5.0)  # no size recorded
+    _copy(gpu1, copies, "concat:ConcatV2", "MemcpyD2D", 5.0, 5.1, size=128)
+    _kernel(gpu1, compute, "conv0:Conv3D", 5.5, 6.5)
+    _kernel(gpu1, compute, "pool:MaxPool", 6.75, 7.0)
+
+    host = _Plane(space, "/host:CPU")
+    executor, python = host.line("tf_Compute/1", 0), host.line("python", 0)
+    host.event(executor, "mm:MatMul", 0, 2 * MS)
+    host.event(executor, "ExecutorState::Process", 0, 5 * MS)
+    host.event(executor, "mm:MatMul", 3 * MS, 1 * MS)
+    host.event(executor, "act:Relu", 4 * MS, MS // 2)
+    host.event(python, "fn:Foo", 0, 7 * MS)
+    # The GPU allocator's events on two threads, so that only sorted by time is the peak's
+    # set of buffers right: t1 a1 +100, t2 a2 +300, t3 a3 +200 (peak, 600), t4 -a1, t5 -a3.
+    first, second = host.line("tf_Compute/2", 0), host.line("tf_Compute/3", 0)
+
+    def memory(line, kind, t, addr, in_use, requested=0, op="", allocator="GPU_0_bfc"):
+        host.event(line, kind, t * US, 0, addr=addr, bytes_allocated=in_use,
+                   requested_bytes=requested, tf_op=op, allocator_name=allocator)
+    memory(first, "MemoryAllocation", 1, 0xa1, 100, 100, "a")
+    memory(first, "MemoryDeallocation", 4, 0xa1, 500)
+    memory(first, "MemoryDeallocation", 5, 0xa3, 300)
+    memory(second, "MemoryAllocation", 2, 0xa2, 400, 300, "b")
+    memory(second, "MemoryAllocation", 3, 0xa3, 600, 200, "c")
+    # The host allocator's, larger, which the GPU replay must leave out.
+    memory(second, "MemoryAllocation", 2, 0xb1, 10_000, 10_000, "h", "mklcpu")
+    memory(second, "MemoryDeallocation", 6, 0xb1, 0, allocator="mklcpu")
+    return space
+
+
+def test_alive_at_peak_replays_the_allocator_in_time_order(space):
+    report = step_trace.alive_at_peak(space, device_allocator=True)
+    assert report == {"peak_bytes": 600, "peak_op": "c", "events": 5,
+                      "largest_alive": [{"bytes": 300, "op": "b"}, {"bytes": 200, "op": "c"},
+                                        {"bytes": 100, "op": "a"}]}
+    assert step_trace.alive_at_peak(space, True, top=1)["largest_alive"] == [
+        {"bytes": 300, "op": "b"}]
+    assert step_trace.alive_at_peak(space, device_allocator=False) == {
+        "peak_bytes": 10_000, "peak_op": "h", "events": 2,
+        "largest_alive": [{"bytes": 10_000, "op": "h"}]}
+
+
+def test_measured_op_ms_sums_each_ops_events(space):
+    assert step_trace.measured_op_ms(space, on_gpu=True) == pytest.approx({
+        "conv0": 2.0 + 0.5 + 1.0, "small": 1.0, "bias0": 1.5, "relu0": 1.0, "relu1": 1.0,
+        "swap_in": 1.0, "halo/_5": 1.0, "halo/_6": 0.5, "concat": 0.1, "pool": 0.25})
+    assert step_trace.measured_op_ms(space, on_gpu=False) == pytest.approx(
+        {"mm": 3.0, "act": 0.5})
+
+
+def test_spans_per_device_on_one_clock(space):
+    spans = step_trace.op_spans(step_trace.gpu_events(space))
+    assert spans == {
+        "/device:GPU:0": {"conv0": Span(0.0, 3.0, False), "small": Span(1.0, 2.0, False),
+                          "bias0": Span(2.0, 3.5, False), "relu0": Span(4.0, 5.0, False),
+                          "relu1": Span(7.0, 8.0, False), "swap_in": Span(0.5, 1.5, True),
+                          "halo/_5": Span(5.0, 6.0, True)},
+        # GPU:1's line starts 0.5 ms after GPU:0's.
+        "/device:GPU:1": {"halo/_6": Span(5.0, 5.5, True), "concat": Span(5.5, 5.6, True),
+                          "conv0": Span(6.0, 7.0, False), "pool": Span(7.25, 7.5, False)},
+    }
+    assert json.loads(json.dumps({op: dataclasses.asdict(span)
+                                  for op, span in spans["/device:GPU:1"].items()}))["pool"] == \
+        {"first_ms": 7.25, "last_ms": 7.5, "copy": False}
+
+
+def test_timeline_per_device(space):
+    timeline = step_trace.gpu_timeline(step_trace.op_spans(step_trace.gpu_events(space)))
+    assert json.loads(json.dumps(timeline)) == timeline
+    # GPU:0's kernels cover [0, 3.5], [4, 5], [7, 8]; the copy during [5, 6] is no kernel.
+    assert timeline["/device:GPU:0"] == {
+        "wall_ms": 8.0, "first_kernel_ms": 0.0, "busy_ms": pytest.approx(5.5),
+        "idle_ms": pytest.approx(2.5),
+        "longest_gaps": [{"ms": 2.0, "at_ms": 5.0, "after": "relu0", "before": "relu1"},
+                         {"ms": 0.5, "at_ms": 3.5, "after": "bias0", "before": "relu0"}]}
+    assert timeline["/device:GPU:1"] == {
+        "wall_ms": 7.5, "first_kernel_ms": 6.0, "busy_ms": pytest.approx(1.25),
+        "idle_ms": pytest.approx(0.25),
+        "longest_gaps": [{"ms": 0.25, "at_ms": 7.0, "after": "conv0", "before": "pool"}]}
+    shortest = step_trace.gpu_timeline(step_trace.op_spans(step_trace.gpu_events(space)), top=1)
+    assert shortest["/device:GPU:0"]["longest_gaps"] == \
+        timeline["/device:GPU:0"]["longest_gaps"][:1]
+
+
+def test_copies_told_from_kernels(space):
+    events = step_trace.gpu_events(space)
+    assert {event.op for event in events if event.copy} == {
+        "swap_in", "halo/_5", "halo/_6", "concat"}
+    assert step_trace.cross_device_copies(events) == {
+        "/device:GPU:0": [{"op": "halo/_5:_Send", "kind": "MemcpyD2H", "start_ms": 5.0,
+                           "end_ms": 6.0, "bytes": 4096}],
+        "/device:GPU:1": [{"op": "halo/_6:_Recv", "kind": "MemcpyP2P", "start_ms": 5.0,
+                           "end_ms": 5.5, "bytes": None},
+                          {"op": "concat:ConcatV2", "kind": "MemcpyD2D", "start_ms": 5.5,
+                           "end_ms": 5.6, "bytes": 128}]}
+
+
+def test_read_profile_takes_the_file_or_its_directory(space, tmp_path):
+    run = tmp_path / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(space.SerializeToString())
+    assert step_trace.read_profile(str(run / "host.xplane.pb")) == space
+    assert step_trace.read_profile(str(tmp_path)) == space
+    (run / "other.xplane.pb").write_bytes(space.SerializeToString())
+    with pytest.raises(ValueError, match="2 .xplane.pb files"):
+        step_trace.read_profile(str(tmp_path))
+
+
+def test_measured_op_ms_on_a_cpu_trace(tmp_path):
+    @tf.function
+    def step(x, w):
+        y = tf.matmul(x, w, name="traced_matmul")
+        return tf.reduce_sum(tf.nn.relu(y, name="traced_relu"), name="traced_sum")
+
+    x, w = tf.ones([64, 64]), tf.ones([64, 64])
+    with tf.device("/CPU:0"):
+        step(x, w)  # builds the function outside the trace
+        tf.profiler.experimental.start(str(tmp_path), options=tf.profiler.experimental
+                                       .ProfilerOptions(host_tracer_level=3))
+        try:
+            step(x, w).numpy()
+        finally:
+            tf.profiler.experimental.stop()
+    measured = step_trace.measured_op_ms(step_trace.read_profile(str(tmp_path)), on_gpu=False)
+    assert {"traced_matmul", "traced_relu", "traced_sum"} <= measured.keys()
+    assert all(measured[op] > 0 for op in ("traced_matmul", "traced_relu", "traced_sum"))
