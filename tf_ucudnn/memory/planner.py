@@ -331,7 +331,7 @@ def _with_clone_readers(graph_def, plan: MemoryPlan, operations) -> list[Swap]:
     by_tensor = {swap.tensor: swap for swap in plan.swaps}
     decision = {d.tensor: d for d in plan.decisions.swaps}
     copied_out_before = dict(plan.decisions.prediction.copied_out_before)
-    swaps = list(plan.swaps)
+    swaps, latest = list(plan.swaps), None
     for read in swapped_reads:
         probe = Swap(read, ())
         clones = tuple(node.name for node in graph_def.node
@@ -343,10 +343,10 @@ def _with_clone_readers(graph_def, plan: MemoryPlan, operations) -> list[Swap]:
             swaps[swaps.index(own)] = dataclasses.replace(
                 own, backward_consumers=own.backward_consumers + clones)
         else:
+            latest = latest if latest is not None else latest_inputs(operations)
             swaps.append(Swap(read, clones, operations[decision[read].prefetch_after].name,
                               _gate(operations, copied_out_before[read]),
-                              held_back(operations, latest_inputs(operations),
-                                        decision[read].prefetch_after)))
+                              held_back(operations, latest, decision[read].prefetch_after)))
     return swaps
 
 
