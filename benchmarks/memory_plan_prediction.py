@@ -16,11 +16,20 @@ reached, to set against the prediction; it needs the CPU's BFC allocator, which 
         --out benchmarks/results/memory_plan_measured_cpu_resnet50.json
 
 (A link that slow leaves recomputation alone: on the CPU a swap moves nothing.)
+
+With `--micro-batches`, a budget no plan of whole batches meets runs the first layers in
+micro-batches; `--paths keras graph` plans that both through the model's layers (as the callback
+does) and through the traced step's graph (as `rewrite` and `tf-ucudnn convert` do), side by side:
+
+    python benchmarks/memory_plan_prediction.py --model vgg16 --batch 960 --step-ms 691.5 \
+        --link-gb-s 52 --fractions --budgets-gib 11.2 --micro-batches 8 16 --paths keras graph \
+        --out benchmarks/results/memory_plan_prediction_vgg16_graph_prefix.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -33,6 +42,7 @@ from tf_ucudnn.memory import (
     analyze,
     keras_training_step,
     plan_keras_step,
+    plan_step_with_prefix,
 )
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
 
@@ -64,6 +74,11 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
                         help="when no plan fits whole batches, run the first layers in this "
                         "many micro-batches (tf_ucudnn.memory.plan_keras_step)")
+    parser.add_argument("--paths", nargs="+", choices=["keras", "graph"], default=["keras"],
+                        help="with --micro-batches: plan through the Keras model's layers "
+                        "(plan_keras_step, as the callback does), through the traced step's graph "
+                        "(plan_step_with_prefix, as rewrite and tf-ucudnn convert do), or both, "
+                        "side by side")
     parser.add_argument("--measure", action="store_true",
                         help="run each planned step on the CPU and record its measured peak")
     parser.add_argument("--out", required=True)
@@ -84,26 +99,36 @@ def main():
             raise SystemExit(f"--measure needs TF_CPU_ALLOCATOR_USE_BFC=true ({error})")
     budgets = [(fraction, int(peak * fraction)) for fraction in args.fractions] + \
         [(None, int(gib * 2**30)) for gib in args.budgets_gib]
-    for fraction, budget in budgets:
+    for (fraction, budget), path in itertools.product(
+            budgets, args.paths if args.micro_batches else ["whole batches"]):
         start = time.perf_counter()
-        row = {"fraction": fraction, "budget_bytes": budget}
+        row = {"fraction": fraction, "budget_bytes": budget, "path": path}
         try:
-            if args.micro_batches:
-                _, keras_plan = plan_keras_step(model, args.batch, budget, link, args.step_ms,
-                                                args.fuse_batch_norm, args.micro_batches)
+            if path == "keras":
+                planned, keras_plan = plan_keras_step(model, args.batch, budget, link,
+                                                      args.step_ms, args.fuse_batch_norm,
+                                                      args.micro_batches)
                 plan = keras_plan.plan
                 row.update(micro_batched_until=keras_plan.micro_batched_until,
                            micro_batches=keras_plan.micro_batches,
                            passed_over=keras_plan.passed_over)
+            elif path == "graph":
+                planned, graph_plan = plan_step_with_prefix(step, budget, link, args.step_ms,
+                                                            args.micro_batches)
+                plan = graph_plan.plan
+                row.update(micro_batched_until=graph_plan.cut,
+                           micro_batches=graph_plan.micro_batches,
+                           passed_over=graph_plan.passed_over)
             else:
-                plan = plan_step_memory(step, budget, link, step_ms=args.step_ms)
+                plan, planned = plan_step_memory(step, budget, link, step_ms=args.step_ms), None
             row.update(plan.decisions.prediction.to_json(), swaps=len(plan.swaps),
                        recomputes=len(plan.recomputes),
                        recomputed_from_swapped=sum(bool(d.swapped_reads)
                                                    for d in plan.decisions.recomputes))
             if args.measure:
-                row["measured_peak_bytes"] = _measured_peak(apply_memory_plan(step, plan), model,
-                                                            args.batch)
+                # The step planned, which may run its first layers in micro-batches.
+                row["measured_peak_bytes"] = _measured_peak(
+                    planned or apply_memory_plan(step, plan), model, args.batch)
         except BudgetError as error:
             row.update(error=str(error), shortfall_bytes=error.shortfall_bytes)
         row["planning_s"] = time.perf_counter() - start
