@@ -155,6 +155,16 @@ def test_recomputation_frees_memory_at_the_cost_of_compute():
             RecomputeDecision("A", 0.5)])
 
 
+def test_a_peak_while_an_op_waits_for_a_recomputation_is_that_op_s():
+    op_ms, tensors = _chain()
+    op_ms.append(1.0)
+    tensors.append(TensorUse("D", 10, producer=3, consumers=(4,)))
+    # A made again at t=3..3.5 with a 500 B buffer on the way, before op3 starts: A + C + 500.
+    prediction = predict(op_ms, tensors, LINK,
+                         recomputes=[RecomputeDecision("A", 0.5, transient_bytes=500)])
+    assert prediction.peak_bytes == 610 and prediction.peak_op == 3
+
+
 def test_plan_memory_recomputes_where_a_swap_cannot_hide():
     # op1 reads A and makes B; op2 (0.2 ms) makes C from B; op3 reads A in the backward pass.
     # A + B + C = 210 during op2; A + B = 200 during op1 cannot be helped.
@@ -211,7 +221,8 @@ def test_roofline_estimates_of_op_times():
 
     @tf.function
     def ops(a, b, x, w):
-        return tf.matmul(a, b), tf.nn.relu(a), tf.nn.conv2d(x, w, 1, "VALID")
+        return (tf.matmul(a, b), tf.nn.relu(a), tf.nn.conv2d(x, w, 1, "VALID"),
+                tf.slice(a, [0, 0], [10, -1]))
 
     graph = ops.get_concrete_function(
         tf.TensorSpec([100, 200]), tf.TensorSpec([200, 300]), tf.TensorSpec([2, 5, 5, 3]),
@@ -221,6 +232,8 @@ def test_roofline_estimates_of_op_times():
     assert model.op_ms(by_type["MatMul"]) == pytest.approx(0.44)
     # Relu: 2e4 floats in and out: 1.6e5 bytes -> 160 us.
     assert model.op_ms(by_type["Relu"]) == pytest.approx(0.16)
+    # Slice: reads only the 10 rows it copies (2e3 floats), not the whole input.
+    assert model.op_ms(by_type["Slice"]) == pytest.approx(0.016)
     # Conv2D: output 2x3x3x4 = 72 elements x 27 multiply-adds x 2 = 3888 FLOPs; bytes dominate.
     conv_bytes = (2 * 25 * 3 + 108 + 72) * 4
     assert model.op_ms(by_type["Conv2D"]) == pytest.approx(conv_bytes / 1e9 * 1e3)

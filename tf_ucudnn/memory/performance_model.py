@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 GB = 1e9
+_SLICES = {"Slice", "StridedSlice"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,10 @@ class DeviceModel:
 
     def op_ms(self, op: tf.Operation) -> float:
         """A roofline estimate of one op's time: its FLOPs at peak or its bytes at the memory
-        bandwidth, whichever is longer, plus a launch; tensors of unknown shape count as none."""
-        moved = sum(tensor_bytes(t) or 0 for t in (*op.inputs, *op.outputs))
+        bandwidth, whichever is longer, plus a launch; tensors of unknown shape count as none.
+        A slice reads only the part it copies."""
+        moved = sum(tensor_bytes(t) or 0 for t in (
+            *(op.outputs if op.type in _SLICES else op.inputs), *op.outputs))
         return self.launch_ms + 1e3 * max(_flops(op) / self.peak_flops,
                                           moved / self.memory_bandwidth)
 
@@ -177,7 +180,7 @@ class Prediction:
     step_ms: float
     compute_ms: float
     peak_bytes: int  # on the device with the highest peak, variables included
-    peak_op: int  # the op running when the peak is reached
+    peak_op: int  # the op running when the peak is reached, or waiting to run
     transfer_ms: float  # copy engines' busy time, hidden or not
     # Per swapped tensor, the first op to start after its copy out ends: the model frees the
     # device buffer there, so the graph must not run that op sooner.
@@ -311,7 +314,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     peak, peak_time, peak_device = max(
         (*_peak(starts[devices == d], ends[devices == d], sizes[devices == d]), d)
         for d in range(len(table.device_names)))
-    running = np.nonzero((start <= peak_time) & (peak_time < end))[0]
+    # The op running at the peak or, in a wait or recomputation before an op, that op.
+    running = np.nonzero(peak_time < end)[0]
     peak_op = int(running[0]) if len(running) else len(durations) - 1
     compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
     copied_out_before = tuple(
