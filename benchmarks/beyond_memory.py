@@ -10,7 +10,9 @@ and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's la
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
 at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla|ucudnn]`,
-tf_ucudnn's steps train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`).
+tf_ucudnn's steps train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`);
+with `--stream-conv-bn N`, each convolution and the batch normalization after it train as one op
+whose backward runs in N micro-batches (`tf_ucudnn.memory.streamed_conv_bn`).
 TensorFlow's own step is also run at its largest batch the way the planned steps run (without
 Grappler's layout optimizer, batch normalization fused if asked): it calibrates the plans' op
 times, and tells the share of the speed those settings give from the plan's (VGG16's planned
@@ -169,14 +171,16 @@ def _load_model(name: str, smoke: bool):
 
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
-                    step_ms: float, fuse_batch_norm: bool, micro_batches) -> dict:
+                    step_ms: float, fuse_batch_norm: bool, micro_batches,
+                    stream_conv_batch_norm: int) -> dict:
     from tf_ucudnn.memory import BudgetError, plan_keras_step
 
     entry = {"batch": batch}
     try:
         start = time.perf_counter()
         step, keras_plan = plan_keras_step(model, batch, budget, device_model, step_ms,
-                                           fuse_batch_norm, micro_batches)
+                                           fuse_batch_norm, micro_batches,
+                                           stream_conv_batch_norm=stream_conv_batch_norm)
         entry["planning_s"] = time.perf_counter() - start
     except BudgetError as error:
         entry["error"] = str(error)
@@ -210,6 +214,10 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers, tried when no plan fits "
                         "whole batches (tf_ucudnn.memory.plan_keras_step)")
+    parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
+                        help="tf_ucudnn's steps train each convolution and the batch "
+                        "normalization after it as one op, its backward in N micro-batches "
+                        "(tf_ucudnn.memory.streamed_conv_bn)")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -241,7 +249,8 @@ def main():
     results = {"benchmark": "beyond_memory", "device": device, "tensorflow": tf.__version__,
                "memory_limit_gib": args.memory_limit_gib,
                "budget_fractions": args.budget_fractions,
-               "fuse_batch_norm": args.fuse_batch_norm, "layout_optimizer_in_plans": False,
+               "fuse_batch_norm": args.fuse_batch_norm,
+               "stream_conv_batch_norm": args.stream_conv_bn, "layout_optimizer_in_plans": False,
                "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"],
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},
@@ -275,12 +284,14 @@ def main():
             tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
             for as_planned_batch in (batch, batch // 2)[:2 if batch > 1 else 1]:
                 as_planned_rate = _try(lambda: _images_per_second(keras_training_step(
-                    model, as_planned_batch, fuse_batch_norm=args.fuse_batch_norm),
+                    model, as_planned_batch, fuse_batch_norm=args.fuse_batch_norm,
+                    stream_conv_batch_norm=args.stream_conv_bn),
                     as_planned_batch, shape, args.steps))[0]
                 if as_planned_rate:
                     break
             entry["tensorflow_as_planned"] = {
                 "batch": as_planned_batch, "fuse_batch_norm": args.fuse_batch_norm,
+                "stream_conv_batch_norm": args.stream_conv_bn,
                 "layout_optimizer": False, "img_per_s": as_planned_rate}
             calibration_rate = as_planned_rate or rate
             print(name, "as planned", as_planned_batch, as_planned_rate, flush=True)
@@ -304,7 +315,7 @@ def main():
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
             trial = _with_tf_ucudnn(model, shape, big_batch, budget, device_model,
                                     args.steps, step_ms, args.fuse_batch_norm,
-                                    args.micro_batches)
+                                    args.micro_batches, args.stream_conv_bn)
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate

@@ -74,6 +74,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
                         help="when no plan fits whole batches, run the first layers in this "
                         "many micro-batches (tf_ucudnn.memory.plan_keras_step)")
+    parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
+                        help="each convolution and the batch normalization after it train as one "
+                        "op, its backward in N micro-batches (tf_ucudnn.memory.streamed_conv_bn)")
     parser.add_argument("--paths", nargs="+", choices=["keras", "graph"], default=["keras"],
                         help="with --micro-batches: plan through the Keras model's layers "
                         "(plan_keras_step, as the callback does), through the traced step's graph "
@@ -84,12 +87,14 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = models.load_model(args.model)
-    step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
+    step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm,
+                               stream_conv_batch_norm=args.stream_conv_bn)
     liveness = analyze(step)
     peak = liveness.peak_bytes + liveness.persistent_bytes
     link = DeviceModel("assumed", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     results = {"benchmark": "memory_plan_prediction", "model": args.model, "batch": args.batch,
                "step_ms": args.step_ms, "fuse_batch_norm": args.fuse_batch_norm,
+               "stream_conv_batch_norm": args.stream_conv_bn,
                "link_gb_s": args.link_gb_s, "ops": len(liveness.ops),
                "unplanned_peak_bytes": peak, "budgets": []}
     if args.measure:
@@ -107,7 +112,8 @@ def main():
             if path == "keras":
                 planned, keras_plan = plan_keras_step(model, args.batch, budget, link,
                                                       args.step_ms, args.fuse_batch_norm,
-                                                      args.micro_batches)
+                                                      args.micro_batches,
+                                                      stream_conv_batch_norm=args.stream_conv_bn)
                 plan = keras_plan.plan
                 row.update(micro_batched_until=keras_plan.micro_batched_until,
                            micro_batches=keras_plan.micro_batches,

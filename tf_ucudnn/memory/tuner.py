@@ -7,6 +7,7 @@ budget is reported with the shortfall, not dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Callable, Iterable, Optional, Union
@@ -22,6 +23,7 @@ from tf_ucudnn.memory.planner import (
     plan_step_memory,
     plan_with_micro_batches,
 )
+from tf_ucudnn.memory.streamed_conv_bn import streamed_conv_batch_norm
 
 MIB = 1 << 20
 
@@ -66,13 +68,18 @@ class TuningReport:
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
                         fuse_batch_norm: Union[bool, str] = False,
-                        micro_batched_until: Optional[str] = None, micro_batches: int = 1):
+                        micro_batched_until: Optional[str] = None, micro_batches: int = 1,
+                        stream_conv_batch_norm: int = 0):
     """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
     with `fuse_batch_norm` (True or "cudnn", "xla", "ucudnn"), its batch normalization layers
     traced as fused kernels (`tf_ucudnn.batch_norm_fusion`; a warning names each layer left
     unfused, and why); with `micro_batched_until`, the layers up to that one run in
     `micro_batches` micro-batches, made again for the backward pass
-    (`tf_ucudnn.memory.microbatched_prefix`)."""
+    (`tf_ucudnn.memory.microbatched_prefix`); with `stream_conv_batch_norm` (a count of
+    micro-batches, 0 for none), each convolution and the batch normalization reading it train
+    as one op whose backward is streamed in that many micro-batches
+    (`tf_ucudnn.memory.streamed_conv_bn`; one warning names the layers not paired, and why), the
+    other batch normalizations as `fuse_batch_norm` says."""
     loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
@@ -90,11 +97,17 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
     specs = (tf.TensorSpec([batch_size, *model.input_shape[1:]]),
              tf.TensorSpec([batch_size], tf.int32))
     kernel = kernel_name(fuse_batch_norm)
-    if kernel is None:
-        return step.get_concrete_function(*specs)
-    with fused_batch_norm(model, kernel) as left_alone:
-        for unfused in left_alone:
-            warnings.warn(f"{unfused.layer}: batch normalization left unfused: {unfused.reason}")
+    with contextlib.ExitStack() as switched:
+        if kernel is not None:
+            for unfused in switched.enter_context(fused_batch_norm(model, kernel)):
+                warnings.warn(f"{unfused.layer}: batch normalization left unfused: "
+                              f"{unfused.reason}")
+        if stream_conv_batch_norm:
+            unpaired = switched.enter_context(
+                streamed_conv_batch_norm(model, stream_conv_batch_norm))
+            if unpaired:  # one warning: in ResNet-50, by design, most layers
+                warnings.warn(f"{len(unpaired)} layer(s) not streamed with a convolution: "
+                              + "; ".join(f"{u.layer}: {u.reason}" for u in unpaired))
         return step.get_concrete_function(*specs)
 
 
@@ -165,7 +178,8 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
                     device_model: DeviceModel, step_ms: Optional[float] = None,
                     fuse_batch_norm: Union[bool, str] = False,
                     micro_batches: Iterable[int] = (4, 8), cuts: Optional[Iterable[str]] = None,
-                    trace: Optional[Callable[[Optional[str], int], object]] = None):
+                    trace: Optional[Callable[[Optional[str], int], object]] = None,
+                    stream_conv_batch_norm: int = 0):
     """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
     tf.function with its KerasStepPlan. The step's swaps and recomputations are planned first;
     if no such plan fits, the model's first layers run in micro-batches too: cut after the
@@ -173,11 +187,13 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
     `micro_batches` gives the shortest predicted step. BudgetError, with the smallest
     shortfall, if nothing fits; its message lists what was tried. `trace(layer, count)` gives
     the step to plan (a ConcreteFunction), the layers up to `layer` in `count` micro-batches
-    (`layer` None: whole batches); by default `keras_training_step`'s."""
+    (`layer` None: whole batches); by default `keras_training_step`'s, with
+    `stream_conv_batch_norm` as it takes it."""
     def traced(layer: Optional[str], count: int):
         return (trace(layer, count) if trace is not None else
                 keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
-                                    micro_batched_until=layer, micro_batches=count))
+                                    micro_batched_until=layer, micro_batches=count,
+                                    stream_conv_batch_norm=stream_conv_batch_norm))
 
     found = plan_with_micro_batches(traced, budget_bytes, device_model, step_ms,
                                     _cuts(model, cuts), micro_batches, batch_size)
