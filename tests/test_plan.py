@@ -8,7 +8,14 @@ import tensorflow as tf
 
 from tf_ucudnn.ops import _ops
 from tf_ucudnn.plan import (ALGORITHM_COUNTS, BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KERNELS,
-                            MATH_TYPES, Algorithm, KernelPlan, LayerPlan, MicroBatch)
+                            MATH_TYPES, Algorithm, KernelPlan, LayerPlan, MicroBatch,
+                            even_sizes)
+
+
+def test_even_sizes_differ_by_one_at_most_the_larger_first():
+    assert even_sizes(10, 4) == [3, 3, 2, 2]
+    assert even_sizes(8, 4) == [2, 2, 2, 2]
+    assert even_sizes(5, 5) == [1] * 5
 
 
 # ------------------------------------------------------------------------------------ Algorithm

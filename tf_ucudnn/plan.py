@@ -19,6 +19,13 @@ import json
 import re
 from typing import Iterable, Mapping, Optional, Sequence
 
+def even_sizes(total: int, parts: int) -> list[int]:
+    """`total` in `parts` sizes as even as can be, the larger first; the callers check `parts`
+    (each with its own error)."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
 # Kernel names, as in the profile data: one convolution layer has these three.
 FORWARD = "fwd"
 BACKPROP_INPUT = "bwd_data"

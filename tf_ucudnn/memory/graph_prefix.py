@@ -42,6 +42,7 @@ from tf_ucudnn.memory.graph_edits import protect
 from tf_ucudnn.memory.liveness import backward_ops
 from tf_ucudnn.memory.microbatched_prefix import PrefixError
 from tf_ucudnn.memory.recompute import unique_name
+from tf_ucudnn.plan import even_sizes
 
 SCOPE = "ucudnn_micro_batch"  # in the names of the clones and of the nodes the pass adds
 
@@ -81,8 +82,7 @@ def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
     if not 2 <= micro_batches <= batch:
         raise PrefixError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches "
                           f"(from 2 to {batch})")
-    base, extra = divmod(batch, micro_batches)
-    return [base + (i < extra) for i in range(micro_batches)]
+    return even_sizes(batch, micro_batches)
 
 
 def micro_batch_prefix(function, cut: str, micro_batches: int):

@@ -22,6 +22,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_ucudnn.plan import even_sizes
+
 _BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization", "GroupNormalization")
 
 
@@ -71,8 +73,7 @@ def run_in_micro_batches(head: tf.keras.Model, x, micro_batches: int,
     batch = int(x.shape[0])
     if not 1 <= micro_batches <= batch:
         raise ValueError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches")
-    base, extra = divmod(batch, micro_batches)
-    sizes = [base + (i < extra) for i in range(micro_batches)]
+    sizes = even_sizes(batch, micro_batches)
 
     @tf.custom_gradient
     def forward(x):

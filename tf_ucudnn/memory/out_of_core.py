@@ -18,13 +18,13 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_ucudnn import ops
+from tf_ucudnn.plan import even_sizes
 
 
 def _splits(total: int, parts: int, what: str) -> list[int]:
     if not 1 <= parts <= total:
         raise ValueError(f"cannot divide {total} {what} into {parts} chunks")
-    base, extra = divmod(total, parts)
-    return [base + (i < extra) for i in range(parts)]
+    return even_sizes(total, parts)
 
 
 def out_of_core_conv2d(x, filters, strides, padding, data_format: str = "NHWC",

@@ -47,6 +47,7 @@ import keras
 import tensorflow as tf
 
 from tf_ucudnn.batch_norm_fusion import UnfusedLayer, _xla_forward, unfusable_because
+from tf_ucudnn.plan import even_sizes
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -67,8 +68,7 @@ def _normalization_gradient(dy, z, mean, inv_std, scale, d_offset, d_scale, coun
 
 def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
     """`batch` split into `micro_batches` (at most `batch`) sizes differing by one at most."""
-    count = max(1, min(micro_batches, batch))
-    return [batch // count + (i < batch % count) for i in range(count)]
+    return even_sizes(batch, max(1, min(micro_batches, batch)))
 
 
 def _pair(value, name: str) -> list[int]:

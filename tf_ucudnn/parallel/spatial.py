@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tf_ucudnn import ops
 from tf_ucudnn.graph.conv_layers import ConvLayer, same_padding
+from tf_ucudnn.plan import even_sizes as _even_sizes
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
 
@@ -76,8 +77,7 @@ def default_devices(count: int) -> list[str]:
 def even_sizes(total: int, parts: int) -> list[int]:
     if not 1 <= parts <= total:
         raise SpatialSplitError(f"cannot split {total} rows over {parts} devices")
-    base, extra = divmod(total, parts)
-    return [base + (i < extra) for i in range(parts)]
+    return _even_sizes(total, parts)
 
 
 def split(x, devices: Sequence[str], sizes: Optional[Sequence[int]] = None) -> Slabs:
