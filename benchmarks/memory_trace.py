@@ -25,6 +25,7 @@ import tempfile
 
 import tensorflow as tf
 
+from tf_ucudnn.graph.functions import CALL_SCOPE
 from tf_ucudnn.profiling.step_trace import (
     alive_at_peak,
     device_timeline,
@@ -45,7 +46,7 @@ def timeline_report(spans: dict, swaps) -> dict:
     timeline = device_timeline(spans, top=20)
     rows = []
     # The traced function's ops carry the scope of its call: match on the graph's own names.
-    spans = {op.split("/", 1)[1] if op.startswith("ucudnn/") else op: span
+    spans = {op.split("/", 1)[1] if op.startswith(f"{CALL_SCOPE}/") else op: span
              for op, span in spans.items()}
     for swap in swaps:
         scope = f"{swap.producer}{SWAP}{swap.output_index}/"

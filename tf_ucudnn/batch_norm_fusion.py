@@ -138,10 +138,15 @@ def _fused_call(self, inputs, training=None, mask=None, *, normalization):
     scale = tf.cast(self.gamma, tf.float32) if self.scale else tf.ones([channels])
     offset = tf.cast(self.beta, tf.float32) if self.center else tf.zeros([channels])
     y, mean, variance = normalization(x, scale, offset, self.epsilon)
-    for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
-        moving.assign(moving * self.momentum
-                      + tf.cast(batch, moving.dtype) * (1.0 - self.momentum))
+    update_moving_statistics(self, mean, variance)
     return tf.cast(y, self.compute_dtype)
+
+
+def update_moving_statistics(layer: keras.layers.BatchNormalization, mean, variance) -> None:
+    """Keras's own update of a layer's moving mean and variance from a batch's."""
+    for moving, batch in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+        moving.assign(moving * layer.momentum
+                      + tf.cast(batch, moving.dtype) * (1.0 - layer.momentum))
 
 
 def _batch_norm_layers(model: keras.Model) -> list:

@@ -8,6 +8,9 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import convert_to_constants
 
+# The name scope of a rewritten graph's ops inside the tf.function that runs it.
+CALL_SCOPE = "ucudnn"
+
 
 def is_concrete_function(target) -> bool:
     return hasattr(target, "graph") and hasattr(target, "captured_inputs")
@@ -43,7 +46,7 @@ def callable_over(graph_def: graph_pb2.GraphDef, function):
         # The variables' handles become captures of the new function, as of the old one.
         input_map.update({name: graph.capture(value) for name, value in captures.items()})
         results = tf.graph_util.import_graph_def(graph_def, input_map=input_map,
-                                                 return_elements=outputs, name="ucudnn")
+                                                 return_elements=outputs, name=CALL_SCOPE)
         return tf.nest.pack_sequence_as(function.structured_outputs, results,
                                         expand_composites=True)
 

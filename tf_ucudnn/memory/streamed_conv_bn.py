@@ -46,7 +46,12 @@ from typing import Iterator, Optional
 import keras
 import tensorflow as tf
 
-from tf_ucudnn.batch_norm_fusion import UnfusedLayer, _xla_forward, unfusable_because
+from tf_ucudnn.batch_norm_fusion import (
+    UnfusedLayer,
+    _xla_forward,
+    unfusable_because,
+    update_moving_statistics,
+)
 from tf_ucudnn.plan import even_sizes
 
 
@@ -173,8 +178,9 @@ def _unpairable_conv(conv) -> Optional[str]:
 
 def conv_batch_norm_pairs(model: keras.Model) -> tuple[list[tuple], list[UnfusedLayer]]:
     """The (Conv2D, BatchNormalization) pairs of a functional (or Sequential) model and its
-    nested models whose convolution's output only that normalization reads, and the Conv2D and
-    BatchNormalization layers not paired, with the reason."""
+    nested models whose convolution widens the channels and whose output only that
+    normalization reads, and the Conv2D and BatchNormalization layers not paired, with the
+    reason."""
     pairs, unpaired, graphs = [], [], list(_graphs(model))
     if not graphs:
         return [], [UnfusedLayer(layer.path, "not in a functional model's graph")
@@ -247,17 +253,14 @@ def _streamed_call(self, inputs, training=None, mask=None, *, previous, conv, re
         tf.convert_to_tensor(conv.bias) if conv.use_bias else None, scale, offset,
         strides=conv.strides, padding=conv.padding, dilations=conv.dilation_rate,
         epsilon=self.epsilon, micro_batches=micro_batches, z=inputs)
-    for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
-        moving.assign(moving * self.momentum
-                      + tf.cast(batch, moving.dtype) * (1.0 - self.momentum))
+    update_moving_statistics(self, mean, variance)
     return y
 
 
 @contextlib.contextmanager
 def streamed_conv_batch_norm(model: keras.Model,
                              micro_batches: int) -> Iterator[list[UnfusedLayer]]:
-    """While open, each Conv2D layer whose output only a BatchNormalization reads trains with
-    that layer as `conv_batch_norm`, its backward in `micro_batches`; yields the Conv2D and
+    """While open, each pair `conv_batch_norm_pairs` finds trains as `conv_batch_norm`, its backward in `micro_batches`; yields the Conv2D and
     BatchNormalization layers not paired, with the reason. Open it inside `fused_batch_norm`
     to give the others a fused kernel. A paired layer called otherwise (inference, a mask,
     unknown shapes) calls what it called before."""
