@@ -104,6 +104,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers where no plan fits whole "
                         "batches, as beyond_memory.py plans (tf_ucudnn.memory.plan_keras_step)")
+    parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
+                        help="train each widening convolution and its batch normalization as "
+                        "one op, its backward in N micro-batches, as beyond_memory.py does")
     parser.add_argument("--op-times", action="store_true",
                         help="trace the GPU's kernels too, and compare each op's measured time "
                         "with the time the plan assumed")
@@ -126,17 +129,20 @@ def main():
     result = {"benchmark": "memory_trace", "model": args.model, "batch": args.batch,
               "device": device, "budget_gib": args.budget_gib, "link_gb_s": args.link_gb_s,
               "fuse_batch_norm": args.fuse_batch_norm,
+              "stream_conv_batch_norm": args.stream_conv_bn,
               "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"]}
     link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
     if args.budget_gib:
         step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,
-                                       args.step_ms, args.fuse_batch_norm, args.micro_batches)
+                                       args.step_ms, args.fuse_batch_norm, args.micro_batches,
+                                       stream_conv_batch_norm=args.stream_conv_bn)
         result.update(swaps=len(chosen.plan.swaps), recomputes=len(chosen.plan.recomputes),
                       micro_batched_until=chosen.micro_batched_until,
                       micro_batches=chosen.micro_batches,
                       predicted_peak_bytes=chosen.plan.decisions.prediction.peak_bytes)
     else:
-        step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm)
+        step = keras_training_step(model, args.batch, fuse_batch_norm=args.fuse_batch_norm,
+                                   stream_conv_batch_norm=args.stream_conv_bn)
     x = tf.random.stateless_uniform([args.batch, *model.input_shape[1:]], seed=[1, 2])
     y = tf.zeros([args.batch], tf.int32)
     logdir = tempfile.mkdtemp(prefix="memory_trace")

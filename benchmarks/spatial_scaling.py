@@ -9,9 +9,9 @@ prediction, calibrated by the measured one-GPU speed and device-to-device bandwi
 
 `--memory-limit-gib` caps each GPU (a logical device with `memory_limit`), to show a sample that
 needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical CPUs with a tiny
-volume, to check the script. `--timeline` traces one step on one GPU and on the most, to show
-where the devices wait for each other: each GPU's time with no kernel, its longest gaps with the
-ops around them, and its copies to or from the others.
+volume, to check the script. `--sections strong timeline` traces one step on one GPU and on the
+most, to show where the devices wait for each other: each GPU's time with no kernel, its longest
+gaps with the ops around them, and its copies to or from the others.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 FILTERS = (16, 32, 64, 128, 256)
+SECTIONS = ("strong", "weak", "mixes", "large", "timeline")
 
 
 def _setup_devices(smoke: bool, count: int, memory_limit_gib: float) -> list[str]:
@@ -136,10 +137,12 @@ def main():
     parser.add_argument("--tensorflow-conv", action="store_true",
                         help="each device's convolutions by TensorFlow's own Conv3D instead of "
                         "tf_ucudnn's op, for comparison")
-    parser.add_argument("--timeline", action="store_true",
-                        help="after the timings, trace one strong-scaling step on one device "
-                        "and on the most, and record each GPU's busy and idle time, its longest "
-                        "gaps and its copies between devices (GPU only)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS[:-1],
+                        help="what to run; strong scaling always runs, as the others are "
+                        "measured against its one-device step. `timeline` (GPU only) traces "
+                        "one strong-scaling step on one device and on the most, and records "
+                        "each GPU's busy and idle time, its longest gaps and its copies between "
+                        "devices")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -181,7 +184,7 @@ def main():
     parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
 
     # Weak scaling: the split dimension (depth) grows with the devices, each keeps one edge^3.
-    for count in args.devices:
+    for count in args.devices if "weak" in args.sections else ():
         size = (args.edge * count, args.edge, args.edge)
         seconds, _ = _time_steps(cosmoflow(size, [all_devices[:count]]), size, args.channels,
                                  args.batch, args.steps)
@@ -190,7 +193,7 @@ def main():
                         "efficiency": weak_one / seconds})
 
     count = max(args.devices)
-    for groups in (d for d in range(1, count + 1) if count % d == 0):
+    for groups in (d for d in range(1, count + 1) if count % d == 0 and "mixes" in args.sections):
         per_group = count // groups
         mesh = [all_devices[g * per_group:(g + 1) * per_group] for g in range(groups)]
         strategy = (tf.distribute.MirroredStrategy([group[0] for group in mesh])
@@ -215,14 +218,14 @@ def main():
             predicted[f"weak_{devices}"] = cosmoflow_step_cost(
                 args.edge, args.channels, filters, args.batch, devices, 1, link, parameters,
                 depth=args.edge * devices).to_json()
-        for row in results["mixes"]:
+        for row in results.get("mixes", []):
             predicted[f"mix_{row['data']}x{row['spatial']}"] = cosmoflow_step_cost(
                 args.edge, args.channels, filters, args.batch, row["spatial"], row["data"],
                 link, parameters).to_json()
         results["scaling_model"] = {"flops": flops, "device_to_device_bytes_per_s": bandwidth,
                                     "predicted": predicted}
 
-    for edge in args.large_edge:
+    for edge in args.large_edge if "large" in args.sections else ():
         run = {"edge": edge, "batch": 1}
         for devices in (1, count):
             try:
@@ -233,7 +236,7 @@ def main():
                 run[f"error_{devices}"] = f"{type(error).__name__}: {_error_text(error)}"
         record("large_sample", run)
 
-    if args.timeline:  # where the devices of a spatial split wait for each other
+    if "timeline" in args.sections:  # where the devices of a spatial split wait for each other
         results["timeline"] = {}
         for devices in sorted({1, count}, reverse=True):
             trace = _timeline(cosmoflow(args.edge, [all_devices[:devices]]), args.edge,
