@@ -220,6 +220,24 @@ def test_each_device_has_its_own_peak():
     assert analyze(_chain()).device_peaks() == {"": 80}
 
 
+def test_an_identity_on_another_device_is_a_copy_there():
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [10], name="a")  # unplaced: CPU:0 (no GPU)
+        with tf.device("/CPU:1"):
+            b = tf.identity(a, name="b")  # received into a buffer of CPU:1
+            moved = tf.identity(b, name="moved")  # b's buffer again
+        with tf.device("/CPU:0"):
+            tf.math.exp(a, name="c")
+        tf.math.exp(moved, name="d")
+    report = analyze(graph)
+    assert [(t.name, t.device) for t in report.tensors] == [
+        ("a:0", "/device:CPU:0"), ("b:0", "/device:CPU:1"), ("c:0", "/device:CPU:0"),
+        ("d:0", "/device:CPU:0")]
+    # a is freed on CPU:0 after c; b (and moved) held on CPU:1 until d reads it.
+    assert report.device_peaks() == {"/device:CPU:0": 80, "/device:CPU:1": 40}
+
+
 def _convolution_scratch(window, strides, padding, shape=(2, 8, 8, 4), filters=6):
     """`<op type>: scratch bytes` of one convolution's training step (forward and gradients)."""
     x = tf.random.normal(shape)

@@ -125,7 +125,8 @@ def test_a_memory_budget_is_met_on_each_device_of_the_split():
     assert chosen and {t.device for t in plan.liveness.tensors if t.name in chosen} == \
         {"/device:CPU:0"}
     assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
-    with pytest.raises(BudgetError, match=r"at op \d+ on /device:CPU:0"):
+    # Each device runs its own backward pass, so either may hold the last unmovable peak.
+    with pytest.raises(BudgetError, match=r"at op \d+ on /device:CPU:[01], "):
         plan_step_memory(step, 1 << 10, SLOW_LINK)
 
 
@@ -147,7 +148,9 @@ def test_the_callbacks_memory_budget_is_met_on_each_device_of_the_split():
     fit([probe])
     unplanned = probe.memory_plan.plan
     assert set(unplanned.liveness.device_peaks()) == {"/device:CPU:0", "/device:CPU:1"}
-    budget = int(unplanned.decisions.prediction.peak_bytes * 0.9)
+    # With each device's backward pass on it the two peaks are close, and the first device's
+    # forward convolution (its pieces and their concatenation) sets a floor about 6% below its peak.
+    budget = int(unplanned.decisions.prediction.peak_bytes * 0.95)
     plain, plain_losses = fit([])
     planner = callback(budget)
     planned, losses = fit([planner])

@@ -56,6 +56,40 @@ def test_each_device_computes_its_own_slab():
     assert len(by_device["CPU:1"]) == 3 and len(by_device["CPU:0"]) == 2
 
 
+def test_each_devices_backward_runs_on_it_and_only_halos_cross_between_neighbours():
+    # GradientTape would put every gradient op where tape.gradient runs (the first device).
+    x, w = _random([1, 16, 6, 2], 3), _random([3, 3, 2, 2], 4)
+
+    @tf.function
+    def gradients(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            loss = tf.reduce_sum(gather(conv(split(x, DEVICES), w)) ** 2)
+        return tape.gradient(loss, [x, w])
+
+    graph = gradients.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                            tf.TensorSpec(w.shape, w.dtype)).graph
+
+    def device(op):
+        return tf.DeviceSpec.from_string(op.device or "/CPU:0").device_index
+
+    kernels = {}
+    for op in graph.get_operations():
+        if op.type.startswith("UcudnnConv2D"):
+            kernels.setdefault(op.type, []).append(device(op))
+    assert sorted(kernels["UcudnnConv2D"]) == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3]
+    assert sorted(kernels["UcudnnConv2DBackpropInput"]) == sorted(kernels["UcudnnConv2D"])
+    assert sorted(kernels["UcudnnConv2DBackpropFilter"]) == sorted(kernels["UcudnnConv2D"])
+    # Tensors read on another device than their own: between the other devices only the
+    # one-row halos, each way and their gradients back; to or from the first (where x and the
+    # loss are) nothing larger than a slab's 4 rows.
+    crossing = {(value.name, device(op)): (device(value.op), device(op), value.shape)
+                for op in graph.get_operations() for value in op.inputs
+                if device(op) != device(value.op)}.values()
+    assert sorted(shape[1] for source, to, shape in crossing if 0 not in (source, to)) == [1] * 8
+    assert max(shape[1] for _, _, shape in crossing if shape.rank == 4) <= 4
+
+
 def test_a_split_finer_than_the_halo_is_refused():
     x, w = _random([1, 8, 4, 1], 5), _random([7, 1, 1, 1], 6)
     with pytest.raises(SpatialSplitError, match="device 0 .* needs rows .* of device 2, beyond "

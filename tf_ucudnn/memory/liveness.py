@@ -38,10 +38,23 @@ ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", 
 CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
 
 
+def _on_other_devices(op: tf.Operation, source: tf.Tensor) -> bool:
+    """Whether `op` reads `source` from another device: TensorFlow's runtime then copies the
+    tensor into a buffer of the reader's device, and nothing is aliased."""
+    if not op.device and not source.op.device:
+        return False
+    return _canonical_device(op.device) != _canonical_device(source.op.device)
+
+
 def aliased_input(op: tf.Operation, output: int = 0) -> Optional[tf.Tensor]:
     """The input whose buffer `op`'s output (by index) shares, if any: an aliasing op's, an
     IdentityN's own (tf.custom_gradient's outputs), or a split's along the first dimension
-    (TensorFlow slices the buffer, rows being contiguous)."""
+    (TensorFlow slices the buffer, rows being contiguous); none across devices."""
+    source = _aliased_input_on_any_device(op, output)
+    return None if source is None or _on_other_devices(op, source) else source
+
+
+def _aliased_input_on_any_device(op: tf.Operation, output: int) -> Optional[tf.Tensor]:
     if op.type == "IdentityN":
         source = op.inputs[output]
         return source if source.dtype not in (tf.resource, tf.variant) else None
@@ -268,18 +281,20 @@ def backward_ops(operations) -> list[bool]:
     return backward
 
 
+def _canonical_device(device: str) -> str:
+    """A device's name without job, replica and task; an op placed nowhere runs on the first
+    GPU, or the CPU without one."""
+    if not device:
+        return "/device:GPU:0" if tf.config.list_logical_devices("GPU") else "/device:CPU:0"
+    return tf.DeviceSpec.from_string(device).replace(job=None, replica=None,
+                                                     task=None).to_string()
+
+
 def _placement(operations):
     """op -> its device's canonical name; "" for every op of a graph on one device."""
-    def canonical(device: str) -> str:
-        spec = tf.DeviceSpec.from_string(device)
-        return spec.replace(job=None, replica=None, task=None).to_string() if device else ""
-
-    placed = {canonical(op.device) for op in operations}
-    default = "/device:GPU:0" if tf.config.list_logical_devices("GPU") else "/device:CPU:0"
-    devices = (placed - {""}) | ({default} if "" in placed else set())
-    if len(devices) <= 1:
+    if len({_canonical_device(op.device) for op in operations}) <= 1:
         return lambda op: ""
-    return lambda op: canonical(op.device) or default
+    return lambda op: _canonical_device(op.device)
 
 
 def analyze(target) -> LivenessReport:

@@ -100,7 +100,7 @@ class SpatialCosmoFlow(keras.Model):
         for conv in self.convs:
             slabs = spatial.conv(slabs, conv.kernel, padding="SAME", name=conv.name,
                                  planner=self.planner)
-            slabs = slabs.map(lambda part, bias=conv.bias: tf.nn.leaky_relu(part + bias, 0.3))
+            slabs = slabs.map(lambda part, bias: tf.nn.leaky_relu(part + bias, 0.3), conv.bias)
             slabs = spatial.pool(slabs, 2, "AVG", name=f"{conv.name}_pool")
         x = spatial.gather(slabs)
         x = tf.reshape(x, [tf.shape(x)[0], -1])

@@ -34,6 +34,33 @@ class SpatialSplitError(ValueError):
     """A split the layer cannot use; says which device and why."""
 
 
+def on_device(device: str, fn: Callable, *inputs):
+    """`fn(*inputs)` on `device`, its gradient computed there too.
+
+    TF2's GradientTape places each gradient op where `tape.gradient` runs, not beside its forward
+    op (TF1's colocate_gradients_with_ops has no TF2 counterpart), which put a spatial split's
+    whole backward pass on the first device. `fn` returns one tensor; gradients reach only
+    `inputs` (tensors or variables), so `fn` takes every tensor it differentiates through as an
+    argument, not from a closure."""
+    inputs = [tf.convert_to_tensor(value) for value in inputs]
+
+    @tf.custom_gradient
+    def staged(*staged_inputs):
+        with tf.device(device), tf.GradientTape(persistent=True,
+                                                watch_accessed_variables=False) as tape:
+            tape.watch(staged_inputs)
+            output = fn(*staged_inputs)
+
+        def gradient(output_gradient):
+            with tf.device(device):
+                return tape.gradient(output, staged_inputs, output_gradient,
+                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return output, gradient
+
+    with tf.device(device):  # custom_gradient's IdentityN too, or it would pull the data over
+        return staged(*inputs)
+
+
 @dataclasses.dataclass
 class Slabs:
     """A batch of volumes as slabs: `parts[i]` lives on `devices[i]` and holds rows
@@ -53,13 +80,11 @@ class Slabs:
             starts.append(starts[-1] + size)
         return starts
 
-    def map(self, fn) -> "Slabs":
-        """An element-wise op (activation, bias, ...) applied on each device."""
-        parts = []
-        for device, part in zip(self.devices, self.parts):
-            with tf.device(device):
-                parts.append(fn(part))
-        return Slabs(parts, self.devices)
+    def map(self, fn, *tensors) -> "Slabs":
+        """`fn(part, *tensors)` (an activation, a bias, ...) on each device, its gradient
+        there too."""
+        return Slabs([on_device(device, fn, part, *tensors)
+                      for device, part in zip(self.devices, self.parts)], self.devices)
 
 
 def default_devices(count: int) -> list[str]:
@@ -87,8 +112,8 @@ def split(x, devices: Sequence[str], sizes: Optional[Sequence[int]] = None) -> S
         raise SpatialSplitError(f"slab sizes {sizes} do not cover {x.shape[SPLIT_AXIS]} rows")
     parts, start = [], 0
     for device, size in zip(devices, sizes):
-        with tf.device(device):
-            parts.append(_rows(x, start, start + size))
+        # Cut where x is, so that each device receives only its own rows.
+        parts.append(on_device(device, tf.identity, _rows(x, start, start + size)))
         start += size
     return Slabs(parts, tuple(devices))
 
@@ -97,17 +122,14 @@ def from_parts(parts: Sequence, devices: Sequence[str]) -> Slabs:
     """Slabs already cut (a loader's, say), each moved to its device."""
     if len(parts) != len(devices):
         raise SpatialSplitError(f"{len(parts)} slabs for {len(devices)} devices")
-    placed = []
-    for device, part in zip(devices, parts):
-        with tf.device(device):
-            placed.append(tf.identity(part))
-    return Slabs(placed, tuple(devices))
+    return Slabs([on_device(device, tf.identity, part) for device, part in zip(devices, parts)],
+                  tuple(devices))
 
 
 def gather(slabs: Slabs, device: Optional[str] = None):
     """The whole tensor again, on `device` (default: the first slab's)."""
-    with tf.device(device or slabs.devices[0]):
-        return tf.concat(slabs.parts, axis=SPLIT_AXIS)
+    return on_device(device or slabs.devices[0], lambda *parts: tf.concat(parts, SPLIT_AXIS),
+                     *slabs.parts)
 
 
 def _rows(x, begin: int, end: int):
@@ -117,28 +139,39 @@ def _rows(x, begin: int, end: int):
     return tf.slice(x, begin_index, size)
 
 
-def _window_rows(slabs: Slabs, index: int, begin: int, end: int, layer: str):
-    """Rows [begin, end) of the whole volume (zeros outside it) on device `index`, from its own
-    slab and its neighbours'."""
-    starts, device = slabs.starts, slabs.devices[index]
-    pieces = []
-    with tf.device(device):
-        template = slabs.parts[index]
-        if begin < 0:
-            pieces.append(_zeros_like_rows(template, -begin))
-        for owner, part in enumerate(slabs.parts):
-            low, high = max(begin, starts[owner]), min(end, starts[owner + 1])
-            if low >= high:
-                continue
-            if abs(owner - index) > 1:
-                raise SpatialSplitError(
-                    f"{layer}: device {index} ({device}) needs rows {low}-{high - 1} of device "
-                    f"{owner}, beyond its neighbours: the slabs ({slabs.sizes} rows) are thinner "
-                    "than the layer's halo; use fewer devices or a larger volume")
-            pieces.append(_rows(part, low - starts[owner], high - starts[owner]))
-        if end > starts[-1]:
-            pieces.append(_zeros_like_rows(template, end - starts[-1]))
-        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
+def _halos(slabs: Slabs, index: int, begin: int, end: int, layer: str) -> list:
+    """The rows [begin, end) of the volume that device `index` needs from other devices, as
+    (first row, rows) pairs, each cut on the device that holds it so that only those rows
+    cross."""
+    starts, halos = slabs.starts, []
+    for owner, part in enumerate(slabs.parts):
+        low, high = max(begin, starts[owner]), min(end, starts[owner + 1])
+        if owner == index or low >= high:
+            continue
+        if abs(owner - index) > 1:
+            raise SpatialSplitError(
+                f"{layer}: device {index} ({slabs.devices[index]}) needs rows {low}-{high - 1} "
+                f"of device {owner}, beyond its neighbours: the slabs ({slabs.sizes} rows) are "
+                "thinner than the layer's halo; use fewer devices or a larger volume")
+        cut = (low - starts[owner], high - starts[owner])
+        halos.append((low, on_device(slabs.devices[owner],
+                                     lambda rows, cut=cut: _rows(rows, *cut), part)))
+    return halos
+
+
+def _window_rows(segments: list, begin: int, end: int, volume_rows: int, template):
+    """Rows [begin, end) of the whole volume, zeros outside it, from `segments` ((first row,
+    rows) pairs that cover them, on the current device)."""
+    pieces = [_zeros_like_rows(template, -begin)] if begin < 0 else []
+    for start, rows in sorted(segments, key=lambda segment: segment[0]):
+        stop = start + int(rows.shape[SPLIT_AXIS])
+        low, high = max(begin, start), min(end, stop)
+        if low < high:
+            pieces.append(rows if (low, high) == (start, stop)
+                          else _rows(rows, low - start, high - start))
+    if end > volume_rows:
+        pieces.append(_zeros_like_rows(template, end - volume_rows))
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
 
 
 def _zeros_like_rows(template, rows: int):
@@ -163,6 +196,7 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     A device's rows are convolved in chunks of at most `max_call_elements` input and output
     values each (ooc_cuDNN's division of the feature map), so that one sample too large for a
     single cuDNN call still runs."""
+    filters = tf.convert_to_tensor(filters)  # read once, not once per device
     spatial = len(filters.shape) - 2
     strides = [strides] * spatial if isinstance(strides, int) else list(strides)
     dilations = [dilations] * spatial if isinstance(dilations, int) else list(dilations)
@@ -185,7 +219,7 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
                                        dilations[axis]) if padding == "SAME" else (0, 0))
     convolve = ops.conv2d if spatial == 2 else ops.conv3d
 
-    def run(rows):
+    def run(rows, filters):
         pads = [[0, 0], [0, 0], *[list(p) for p in other_pads], [0, 0]]
         attrs = dict(strides=[1, *strides, 1], dilations=[1, *dilations, 1])
         plan = None
@@ -216,17 +250,26 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
         own_high = starts[index + 1] if index < len(out_sizes) - 1 else starts[-1] + after
         inner_first = max(first, -(-(own_low + before) // stride))
         inner_last = min(last, (own_high - reach + before) // stride + 1)
-        with tf.device(device), tf.name_scope(f"{name}_{index}"):
-            if inner_first >= inner_last:
-                inner_first = inner_last = first
+        if inner_first >= inner_last:
+            inner_first = inner_last = first
+        halos = _halos(slabs, index, first * stride - before,
+                       (last - 1) * stride - before + reach, name)
+
+        # Called at once by on_device: the loop's variables are this device's.
+        def device_part(own, filters, *halo_rows):
+            segments = [(starts[index], own), *zip([start for start, _ in halos], halo_rows)]
             pieces = []
             for a, b in ((first, inner_first), (inner_first, inner_last), (inner_last, last)):
                 for low in range(a, b, chunk):
                     high = min(b, low + chunk)
-                    rows = _window_rows(slabs, index, low * stride - before,
-                                        (high - 1) * stride - before + reach, name)
-                    pieces.append(run(rows))
-            parts.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS))
+                    rows = _window_rows(segments, low * stride - before,
+                                        (high - 1) * stride - before + reach, size, own)
+                    pieces.append(run(rows, filters))
+            return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
+
+        with tf.name_scope(f"{name}_{index}"):
+            parts.append(on_device(device, device_part, slabs.parts[index], filters,
+                                   *[rows for _, rows in halos]))
     return Slabs(parts, slabs.devices)
 
 
@@ -257,16 +300,16 @@ def pool(slabs: Slabs, window: int, kind: str = "MAX", name: str = "spatial_pool
 def batch_norm(slabs: Slabs, gamma, beta, epsilon: float = 1e-3) -> Slabs:
     """Batch normalization with statistics over the whole volumes (all slabs), as in training."""
     axes = list(range(len(slabs.parts[0].shape) - 1))
-    sums, squares, counts = [], [], []
+    moments, counts = [], []
     for device, part in zip(slabs.devices, slabs.parts):
+        moments.append(on_device(device, lambda part: tf.stack(
+            [tf.reduce_sum(part, axes), tf.reduce_sum(tf.square(part), axes)]), part))
         with tf.device(device):
-            sums.append(tf.reduce_sum(part, axes))
-            squares.append(tf.reduce_sum(tf.square(part), axes))
             counts.append(tf.cast(tf.reduce_prod(tf.shape(part)[:-1]), part.dtype))
     with tf.device(slabs.devices[0]):
         count = tf.add_n(counts)
-        mean = tf.add_n(sums) / count
-        variance = tf.add_n(squares) / count - tf.square(mean)
+        mean, mean_square = tf.unstack(tf.add_n(moments) / count)
+        variance = mean_square - tf.square(mean)
         scale = gamma * tf.math.rsqrt(variance + epsilon)
         shift = beta - mean * scale
-    return slabs.map(lambda part: part * scale + shift)
+    return slabs.map(lambda part, scale, shift: part * scale + shift, scale, shift)
