@@ -11,7 +11,7 @@ prediction, calibrated by the measured one-GPU speed and device-to-device bandwi
 needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical CPUs with a tiny
 volume, to check the script. `--sections strong timeline` traces one step on one GPU and on the
 most, to show where the devices wait for each other: each GPU's time with no kernel, its longest
-gaps with the ops around them, and its copies to or from the others.
+gaps with the ops around them, its kernel time per op type, and its copies to or from the others.
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def _timeline(make_model, size, channels, batch, gaps: int = 10) -> dict:
             f"no kernel on {gpus} is tagged with its op" if gpus else "the trace has no GPU")}
     timeline = step_trace.gpu_timeline(step_trace.op_spans(events), gaps)
     copies = step_trace.cross_device_copies(events)
+    kernel_ms = step_trace.kernel_ms_by_op_type(events)
     for device, row in timeline.items():
+        row["kernel_ms_by_op_type"] = kernel_ms.get(device, {})
         row["cross_device_copies"] = copies.get(device, [])
     return {"wall_ms": max(row["wall_ms"] for row in timeline.values()), "devices": timeline}
 
@@ -228,12 +230,17 @@ def main():
     for edge in args.large_edge if "large" in args.sections else ():
         run = {"edge": edge, "batch": 1}
         for devices in (1, count):
+            print(f"large sample: {edge}^3 on {devices} device(s)", flush=True)
+            started = time.perf_counter()
             try:
                 run[f"step_s_{devices}"], _ = _time_steps(
                     cosmoflow(edge, [all_devices[:devices]]), edge, args.channels, 1, args.steps)
             except tf.errors.OpError as error:  # out of memory, or a tensor cuDNN cannot take
                 run[f"step_s_{devices}"] = None
                 run[f"error_{devices}"] = f"{type(error).__name__}: {_error_text(error)}"
+            # Building, tracing and (where it fails) the allocator's retries, with the steps.
+            run[f"seconds_{devices}"] = time.perf_counter() - started
+            tf.keras.backend.clear_session()
         record("large_sample", run)
 
     if "timeline" in args.sections:  # where the devices of a spatial split wait for each other

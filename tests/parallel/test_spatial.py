@@ -57,14 +57,15 @@ def test_each_device_computes_its_own_slab():
 
 
 def test_each_devices_backward_runs_on_it_and_only_halos_cross_between_neighbours():
-    # GradientTape would put every gradient op where tape.gradient runs (the first device).
+    # GradientTape would put every gradient op where tape.gradient runs (the first device),
+    # and add up each slab's gradients there.
     x, w = _random([1, 16, 6, 2], 3), _random([3, 3, 2, 2], 4)
 
     @tf.function
     def gradients(x, w):
         with tf.GradientTape() as tape:
             tape.watch([x, w])
-            loss = tf.reduce_sum(gather(conv(split(x, DEVICES), w)) ** 2)
+            loss = tf.reduce_sum(gather(conv(conv(split(x, DEVICES), w), w)) ** 2)
         return tape.gradient(loss, [x, w])
 
     graph = gradients.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
@@ -77,17 +78,21 @@ def test_each_devices_backward_runs_on_it_and_only_halos_cross_between_neighbour
     for op in graph.get_operations():
         if op.type.startswith("UcudnnConv2D"):
             kernels.setdefault(op.type, []).append(device(op))
-    assert sorted(kernels["UcudnnConv2D"]) == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3]
+    assert sorted(kernels["UcudnnConv2D"]) == sorted([0, 0, 1, 1, 1, 2, 2, 2, 3, 3] * 2)
     assert sorted(kernels["UcudnnConv2DBackpropInput"]) == sorted(kernels["UcudnnConv2D"])
     assert sorted(kernels["UcudnnConv2DBackpropFilter"]) == sorted(kernels["UcudnnConv2D"])
-    # Tensors read on another device than their own: between the other devices only the
-    # one-row halos, each way and their gradients back; to or from the first (where x and the
-    # loss are) nothing larger than a slab's 4 rows.
+    # Tensors read on another device than their own. Between the other devices only the
+    # one-row halos, both ways, of two layers, and their gradients back. To or from the first
+    # (where x and the loss are) the 4-row slabs: x's, the output's, and their gradients.
     crossing = {(value.name, device(op)): (device(value.op), device(op), value.shape)
                 for op in graph.get_operations() for value in op.inputs
                 if device(op) != device(value.op)}.values()
-    assert sorted(shape[1] for source, to, shape in crossing if 0 not in (source, to)) == [1] * 8
-    assert max(shape[1] for _, _, shape in crossing if shape.rank == 4) <= 4
+    assert sorted(shape[1] for source, to, shape in crossing if 0 not in (source, to)) == \
+        [1] * 16
+    slabs = [(source, to) for source, to, shape in crossing
+             if shape.rank == 4 and shape[1] == 4]
+    assert sorted(slabs) == sorted([(0, 1), (0, 2), (0, 3), (1, 0), (2, 0), (3, 0)] * 2)
+    assert max(shape[1] for _, _, shape in crossing if shape.rank == 4) == 4
 
 
 def test_a_split_finer_than_the_halo_is_refused():

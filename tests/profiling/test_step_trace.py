@@ -167,6 +167,15 @@ def test_timeline_per_device(space):
         timeline["/device:GPU:0"]["longest_gaps"][:1]
 
 
+def test_kernel_time_per_op_type(space):
+    by_type = step_trace.kernel_ms_by_op_type(step_trace.gpu_events(space))
+    assert by_type == {
+        "/device:GPU:0": {"Conv3D": pytest.approx(2.5), "Relu": pytest.approx(2.0),
+                          "BiasAdd": pytest.approx(1.5), "Add": pytest.approx(1.0)},
+        "/device:GPU:1": {"Conv3D": pytest.approx(1.0), "MaxPool": pytest.approx(0.25)}}
+    assert list(by_type["/device:GPU:0"]) == ["Conv3D", "Relu", "BiasAdd", "Add"]
+
+
 def test_copies_told_from_kernels(space):
     events = step_trace.gpu_events(space)
     assert {event.op for event in events if event.copy} == {

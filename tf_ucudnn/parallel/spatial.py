@@ -39,9 +39,11 @@ def on_device(device: str, fn: Callable, *inputs):
 
     TF2's GradientTape places each gradient op where `tape.gradient` runs, not beside its forward
     op (TF1's colocate_gradients_with_ops has no TF2 counterpart), which put a spatial split's
-    whole backward pass on the first device. `fn` returns one tensor; gradients reach only
-    `inputs` (tensors or variables), so `fn` takes every tensor it differentiates through as an
-    argument, not from a closure."""
+    whole backward pass on the first device. The tape also adds up a tensor's gradients from
+    several readers there, so a tensor that lives on one device should be read by one such
+    piece, which hands out what the others need (as `conv` does with halos). `fn` returns a
+    tensor or a tuple of them; gradients reach only `inputs` (tensors or variables), so `fn`
+    takes every tensor it differentiates through as an argument, not from a closure."""
     inputs = [tf.convert_to_tensor(value) for value in inputs]
 
     @tf.custom_gradient
@@ -49,13 +51,17 @@ def on_device(device: str, fn: Callable, *inputs):
         with tf.device(device), tf.GradientTape(persistent=True,
                                                 watch_accessed_variables=False) as tape:
             tape.watch(staged_inputs)
-            output = fn(*staged_inputs)
+            outputs = fn(*staged_inputs)
 
-        def gradient(output_gradient):
+        def gradient(*output_gradients):
+            targets = tf.nest.flatten(outputs)
             with tf.device(device):
-                return tape.gradient(output, staged_inputs, output_gradient,
+                # An output nobody read has no gradient: zeros (tape.gradient would take ones).
+                output_gradients = [tf.zeros_like(target) if given is None else given
+                                    for target, given in zip(targets, output_gradients)]
+                return tape.gradient(targets, staged_inputs, output_gradients,
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return output, gradient
+        return outputs, gradient
 
     with tf.device(device):  # custom_gradient's IdentityN too, or it would pull the data over
         return staged(*inputs)
@@ -133,18 +139,19 @@ def gather(slabs: Slabs, device: Optional[str] = None):
 
 
 def _rows(x, begin: int, end: int):
+    if (begin, end) == (0, x.shape[SPLIT_AXIS]):
+        return x  # no Slice op: the liveness analysis would count a copy TensorFlow skips
     begin_index = [0] * len(x.shape)
     size = [-1] * len(x.shape)
     begin_index[SPLIT_AXIS], size[SPLIT_AXIS] = begin, end - begin
     return tf.slice(x, begin_index, size)
 
 
-def _halos(slabs: Slabs, index: int, begin: int, end: int, layer: str) -> list:
-    """The rows [begin, end) of the volume that device `index` needs from other devices, as
-    (first row, rows) pairs, each cut on the device that holds it so that only those rows
-    cross."""
+def _halo_rows(slabs: Slabs, index: int, begin: int, end: int, layer: str) -> list:
+    """The rows [low, high) of the volume that device `index` needs from each other device, as
+    (owner, low, high): of the volume's rows [begin, end), those outside its own slab."""
     starts, halos = slabs.starts, []
-    for owner, part in enumerate(slabs.parts):
+    for owner in range(len(slabs.parts)):
         low, high = max(begin, starts[owner]), min(end, starts[owner + 1])
         if owner == index or low >= high:
             continue
@@ -153,10 +160,28 @@ def _halos(slabs: Slabs, index: int, begin: int, end: int, layer: str) -> list:
                 f"{layer}: device {index} ({slabs.devices[index]}) needs rows {low}-{high - 1} "
                 f"of device {owner}, beyond its neighbours: the slabs ({slabs.sizes} rows) are "
                 "thinner than the layer's halo; use fewer devices or a larger volume")
-        cut = (low - starts[owner], high - starts[owner])
-        halos.append((low, on_device(slabs.devices[owner],
-                                     lambda rows, cut=cut: _rows(rows, *cut), part)))
+        halos.append((owner, low, high))
     return halos
+
+
+def _hand_out_halos(slabs: Slabs, wanted: Sequence[list]) -> tuple[list, list]:
+    """Each slab and, cut on its own device so that only those rows cross, the halos the
+    others want (`wanted[i]`: device i's `_halo_rows`): (each device's slab, each device's
+    halos as (first row, rows) pairs). One piece per slab reads it, so the slab's gradients
+    (its own and its halos') are added up on its device."""
+    cuts = [[] for _ in slabs.parts]  # per owner: (reader, low, high)
+    for reader, rows in enumerate(wanted):
+        for owner, low, high in rows:
+            cuts[owner].append((reader, low, high))
+    owns, halos = [], [[] for _ in slabs.parts]
+    for owner, (device, part, start) in enumerate(zip(slabs.devices, slabs.parts,
+                                                      slabs.starts)):
+        handed = on_device(device, lambda part: (part, *[
+            _rows(part, low - start, high - start) for _, low, high in cuts[owner]]), part)
+        owns.append(handed[0])
+        for (reader, low, _), rows in zip(cuts[owner], handed[1:]):
+            halos[reader].append((low, rows))
+    return owns, halos
 
 
 def _window_rows(segments: list, begin: int, end: int, volume_rows: int, template):
@@ -240,8 +265,8 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
     in_row_values = math.prod(row_shape)
     out_row_values = in_row_values // row_shape[-1] * int(filters.shape[-1])
     chunk = max(1, max_call_elements // max(out_row_values, stride * in_row_values))
-    starts, parts, out_start = slabs.starts, [], 0
-    for index, (device, count) in enumerate(zip(slabs.devices, out_sizes)):
+    starts, bounds, out_start = slabs.starts, [], 0
+    for index, count in enumerate(out_sizes):
         first, last = out_start, out_start + count  # output rows [first, last)
         out_start = last
         # Outputs whose windows stay inside the own slab (or the padding beside it, at the ends
@@ -252,12 +277,18 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
         inner_last = min(last, (own_high - reach + before) // stride + 1)
         if inner_first >= inner_last:
             inner_first = inner_last = first
-        halos = _halos(slabs, index, first * stride - before,
-                       (last - 1) * stride - before + reach, name)
+        bounds.append((first, inner_first, inner_last, last))
+    owns, halos = _hand_out_halos(slabs, [
+        _halo_rows(slabs, index, first * stride - before, (last - 1) * stride - before + reach,
+                   name) for index, (first, _, _, last) in enumerate(bounds)])
+    parts = []
+    for index, (device, (first, inner_first, inner_last, last)) in enumerate(
+            zip(slabs.devices, bounds)):
 
         # Called at once by on_device: the loop's variables are this device's.
         def device_part(own, filters, *halo_rows):
-            segments = [(starts[index], own), *zip([start for start, _ in halos], halo_rows)]
+            segments = [(starts[index], own),
+                        *zip([start for start, _ in halos[index]], halo_rows)]
             pieces = []
             for a, b in ((first, inner_first), (inner_first, inner_last), (inner_last, last)):
                 for low in range(a, b, chunk):
@@ -268,8 +299,8 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
             return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=SPLIT_AXIS)
 
         with tf.name_scope(f"{name}_{index}"):
-            parts.append(on_device(device, device_part, slabs.parts[index], filters,
-                                   *[rows for _, rows in halos]))
+            parts.append(on_device(device, device_part, owns[index], filters,
+                                   *[rows for _, rows in halos[index]]))
     return Slabs(parts, slabs.devices)
 
 
@@ -300,10 +331,13 @@ def pool(slabs: Slabs, window: int, kind: str = "MAX", name: str = "spatial_pool
 def batch_norm(slabs: Slabs, gamma, beta, epsilon: float = 1e-3) -> Slabs:
     """Batch normalization with statistics over the whole volumes (all slabs), as in training."""
     axes = list(range(len(slabs.parts[0].shape) - 1))
-    moments, counts = [], []
+    parts, moments, counts = [], [], []
     for device, part in zip(slabs.devices, slabs.parts):
-        moments.append(on_device(device, lambda part: tf.stack(
-            [tf.reduce_sum(part, axes), tf.reduce_sum(tf.square(part), axes)]), part))
+        # One piece reads the slab and hands it on with its moments (see on_device).
+        part, sums = on_device(device, lambda part: (part, tf.stack(
+            [tf.reduce_sum(part, axes), tf.reduce_sum(tf.square(part), axes)])), part)
+        parts.append(part)
+        moments.append(sums)
         with tf.device(device):
             counts.append(tf.cast(tf.reduce_prod(tf.shape(part)[:-1]), part.dtype))
     with tf.device(slabs.devices[0]):
@@ -312,4 +346,5 @@ def batch_norm(slabs: Slabs, gamma, beta, epsilon: float = 1e-3) -> Slabs:
         variance = mean_square - tf.square(mean)
         scale = gamma * tf.math.rsqrt(variance + epsilon)
         shift = beta - mean * scale
-    return slabs.map(lambda part, scale, shift: part * scale + shift, scale, shift)
+    return Slabs(parts, slabs.devices).map(lambda part, scale, shift: part * scale + shift,
+                                           scale, shift)

@@ -210,6 +210,18 @@ def gpu_timeline(spans: Mapping[str, Mapping[str, Span]], top: int = 10) -> dict
     return {device: device_timeline(device_spans, top) for device, device_spans in spans.items()}
 
 
+def kernel_ms_by_op_type(events: list[GpuEvent]) -> dict[str, dict[str, float]]:
+    """Each GPU's kernel time per op type, largest first: where a step's work goes, summed
+    over kernels even where they overlap (copies left out)."""
+    by_device: dict = {}
+    for event in events:
+        if not event.copy:
+            types = by_device.setdefault(event.device, {})
+            types[event.op_type] = types.get(event.op_type, 0.0) + event.end_ms - event.start_ms
+    return {device: dict(sorted(types.items(), key=lambda item: -item[1]))
+            for device, types in by_device.items()}
+
+
 def cross_device_copies(events: list[GpuEvent]) -> dict[str, list[dict]]:
     """The copies between devices on each GPU, by start: those the runtime's _Send/_Recv made,
     and those CUPTI names device-to-device or peer-to-peer. Each with its op, kind, start and
