@@ -64,9 +64,12 @@ def _build(make_model, size, channels, batch, strategy=None):
 def _time_steps(make_model, size, channels, batch, steps, strategy=None):
     """Seconds per Keras training step (`train_on_batch`, so data groups go through the
     strategy's all-reduce), after one step to build and trace."""
+    started = time.perf_counter()
     model, x, y = _build(make_model, size, channels, batch, strategy)
+    built = time.perf_counter()
     model.train_on_batch(x, y)
     start = time.perf_counter()
+    print(f"  built in {built - started:.1f} s, first step in {start - built:.1f} s", flush=True)
     for _ in range(steps):
         loss = model.train_on_batch(x, y)
     float(loss)
