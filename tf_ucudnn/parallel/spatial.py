@@ -9,7 +9,8 @@ runtime copies across devices; no communication layer of our own. The rows whose
 inside the device's own slab are convolved apart from the few that need the halo, so that the
 interior is computed while the halo is in flight. Everything is made of differentiable TensorFlow
 ops, so the backward pass (the halo's gradient sent back to its owner) comes from autodiff, and
-the result equals the unpartitioned layer.
+the result equals the unpartitioned layer; each device's piece runs through `on_device`, so that
+its gradient runs on that device too.
 
 Tensors are channels-last (NHWC / NDHWC); the split dimension is the first spatial one (height,
 or depth).
@@ -43,7 +44,8 @@ def on_device(device: str, fn: Callable, *inputs):
     several readers there, so a tensor that lives on one device should be read by one such
     piece, which hands out what the others need (as `conv` does with halos). `fn` returns a
     tensor or a tuple of them; gradients reach only `inputs` (tensors or variables), so `fn`
-    takes every tensor it differentiates through as an argument, not from a closure."""
+    takes every tensor it differentiates through as an argument, not from a closure. The
+    inputs are held until the piece's last op has run (custom_gradient's IdentityN reads them)."""
     inputs = [tf.convert_to_tensor(value) for value in inputs]
 
     @tf.custom_gradient
