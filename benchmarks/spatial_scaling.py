@@ -146,8 +146,8 @@ def main():
                         help="what to run; strong scaling always runs, as the others are "
                         "measured against its one-device step. `timeline` (GPU only) traces "
                         "one strong-scaling step on one device and on the most, and records "
-                        "each GPU's busy and idle time, its longest gaps and its copies between "
-                        "devices")
+                        "each GPU's busy and idle time, its longest gaps, its kernel time per op "
+                        "type and its copies between devices")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -198,7 +198,8 @@ def main():
                         "efficiency": weak_one / seconds})
 
     count = max(args.devices)
-    for groups in (d for d in range(1, count + 1) if count % d == 0 and "mixes" in args.sections):
+    mixes = [d for d in range(1, count + 1) if count % d == 0] if "mixes" in args.sections else []
+    for groups in mixes:
         per_group = count // groups
         mesh = [all_devices[g * per_group:(g + 1) * per_group] for g in range(groups)]
         strategy = (tf.distribute.MirroredStrategy([group[0] for group in mesh])
