@@ -96,7 +96,10 @@ def main():
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--budget-gib", type=float, help="plan under this budget (none: as is)")
-    parser.add_argument("--link-gb-s", type=float, default=46.0)
+    parser.add_argument("--link-gb-s", type=float, nargs="+", default=[46.0],
+                        metavar="GB_S", help="host link bandwidth to plan with: one for both "
+                        "ways, or device-to-host then host-to-device (as beyond_memory.py "
+                        "measures and records them, to plan the step it ran)")
     parser.add_argument("--step-ms", type=float, help="the unplanned step's time, if measured")
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
     parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
@@ -112,6 +115,8 @@ def main():
                         "with the time the plan assumed")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if len(args.link_gb_s) > 2:
+        parser.error("--link-gb-s takes one bandwidth or two (device to host, host to device)")
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         tf.config.set_logical_device_configuration(gpus[0], [
@@ -131,7 +136,8 @@ def main():
               "fuse_batch_norm": args.fuse_batch_norm,
               "stream_conv_batch_norm": args.stream_conv_bn,
               "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"]}
-    link = DeviceModel("given", args.link_gb_s * 1e9, args.link_gb_s * 1e9)
+    to_host, to_device = args.link_gb_s if len(args.link_gb_s) == 2 else args.link_gb_s * 2
+    link = DeviceModel("given", to_host * 1e9, to_device * 1e9)
     if args.budget_gib:
         step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,
                                        args.step_ms, args.fuse_batch_norm, args.micro_batches,
