@@ -91,6 +91,7 @@ class Slabs:
     def map(self, fn, *tensors) -> "Slabs":
         """`fn(part, *tensors)` (an activation, a bias, ...) on each device, its gradient
         there too."""
+        tensors = [tf.convert_to_tensor(value) for value in tensors]  # a variable read once
         return Slabs([on_device(device, fn, part, *tensors)
                       for device, part in zip(self.devices, self.parts)], self.devices)
 
