@@ -1,6 +1,7 @@
 """Training beyond GPU memory: the largest batch plain TensorFlow trains under a memory cap, its
 images per second, and the same with tf_ucudnn's memory plan (swaps, recomputations, and the
-first layers in micro-batches where nothing else fits), side by side in one process.
+first layers in micro-batches where nothing else fits), side by side in one run (each
+tf_ucudnn trial in a process of its own, as a training job would start).
 
     python benchmarks/beyond_memory.py --models resnet50 vgg16 resnet152 --memory-limit-gib 16 \\
         --out benchmarks/results/beyond_memory_h100.json
@@ -46,14 +47,23 @@ def _cap_gpu_memory(limit_gib: float) -> str:
     return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
 
 
-def _images_per_second(step, batch: int, shape, steps: int) -> float:
+def _images_per_second(step, batch: int, shape, steps: int, synchronous: bool = False,
+                       started: Optional[list] = None) -> float:
+    """Two untimed steps (the first builds and autotunes), then `steps` timed ones, each
+    started as soon as the last returned, or (`synchronous`) once its loss is known. Each
+    step's number goes into `started` as it starts, to tell which one failed."""
     x = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
     y = tf.zeros([batch], tf.int32)
+    started = [] if started is None else started
     for _ in range(2):
+        started.append(len(started) + 1)
         step(x, y).numpy()
     start = time.perf_counter()
     for _ in range(steps):
+        started.append(len(started) + 1)
         loss = step(x, y)
+        if synchronous:
+            loss.numpy()
     loss.numpy()
     return batch * steps / (time.perf_counter() - start)
 
@@ -123,21 +133,30 @@ def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
     allocator check) rather than report running out of memory, which would end this run too."""
     trials, failures, size = {}, {}, batch
     while len(trials) < tries and size > 0 and size not in trials:
-        child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--keras-fit-child", name, str(size),
-             str(steps), "--memory-limit-gib", str(memory_limit_gib), "--out", os.devnull],
-            capture_output=True, text=True)
-        lines = child.stdout.strip().splitlines()
-        result = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
+        result, failure = _in_child(["--keras-fit-child", name, str(size), str(steps)],
+                                    memory_limit_gib)
         trials[size] = result.get("img_per_s")
         if trials[size] is None:
-            tail = [line for line in child.stderr.splitlines() if line.strip()][-3:]
-            failures[size] = result.get("error") or \
-                f"exit status {child.returncode}: " + " | ".join(tail)[-400:]
+            failures[size] = result.get("error") or failure
         size += step if trials[size] else -step
     largest = max((b for b, r in trials.items() if r), default=None)
     return {"largest_batch_tried": largest, "img_per_s": trials.get(largest),
             "img_per_s_by_batch": trials, "failures": failures}
+
+
+def _in_child(arguments: list, memory_limit_gib: float,
+              environment: Optional[dict] = None) -> tuple[dict, Optional[str]]:
+    """This script's JSON answer to `arguments`, run in a process of its own under the same
+    cap (with `environment`'s variables added), and if it gave none, how the process ended."""
+    child = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *arguments,
+         "--memory-limit-gib", str(memory_limit_gib), "--out", os.devnull],
+        capture_output=True, text=True, env={**os.environ, **(environment or {})})
+    lines = child.stdout.strip().splitlines()
+    if child.returncode == 0 and lines:
+        return json.loads(lines[-1]), None
+    tail = [line for line in child.stderr.splitlines() if line.strip()][-3:]
+    return {}, f"exit status {child.returncode}: " + " | ".join(tail)[-400:]
 
 
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
@@ -172,7 +191,7 @@ def _load_model(name: str, smoke: bool):
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
                     step_ms: float, fuse_batch_norm: bool, micro_batches,
-                    stream_conv_batch_norm: int) -> dict:
+                    stream_conv_batch_norm: int, synchronous: bool) -> dict:
     from tf_ucudnn.memory import BudgetError, plan_keras_step
 
     entry = {"batch": batch}
@@ -190,10 +209,37 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
                  micro_batched_until=keras_plan.micro_batched_until,
                  micro_batches=keras_plan.micro_batches, passed_over=keras_plan.passed_over,
                  predicted=memory.decisions.prediction.to_json())
-    rate, error = _try(lambda: _images_per_second(step, batch, shape, steps))
+    started = []
+    rate, error = _try(lambda: _images_per_second(step, batch, shape, steps, synchronous,
+                                                  started))
+    entry.update(synchronous_steps=synchronous, steps_started=len(started))
+    if tf.config.list_logical_devices("GPU"):  # the first step's autotuning included
+        entry["timed_steps_peak_bytes"] = tf.config.experimental.get_memory_info("GPU:0")["peak"]
     entry.update({"img_per_s": rate, "measured_peak_bytes": _peak_bytes(step, batch, shape)}
                  if rate else {"error": error})
     return entry
+
+
+def _trial_child(args) -> dict:
+    """One tf_ucudnn trial of `main`, in this process (its child): planned and run in a fresh
+    TensorFlow, as a training job would be. In the parent, after TensorFlow's own tries, a
+    ResNet-50 plan at 768 ran out of memory under the 16 GiB cap that the same budget's plan
+    trained under in a process of its own (benchmarks/memory_trace.py), where the first,
+    autotuning step peaked at 15.7 GB."""
+    name, batch, budget, step_ms = args.trial_child
+    _cap_gpu_memory(args.memory_limit_gib)
+    # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to NHWC
+    # around the swap nodes, copies the plan does not see (5.2 GB on ResNet-50 at batch 384,
+    # benchmarks/memory_trace.py): planned steps run without it.
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+    tf.keras.utils.set_random_seed(0)
+    from tf_ucudnn.memory import DeviceModel
+
+    model = _load_model(name, name == "smoke")
+    link = DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9)
+    return _with_tf_ucudnn(model, model.input_shape[1:], int(batch), int(budget), link,
+                           args.steps, float(step_ms), args.fuse_batch_norm, args.micro_batches,
+                           args.stream_conv_bn, args.synchronous_steps)
 
 
 def main():
@@ -218,6 +264,12 @@ def main():
                         help="tf_ucudnn's steps train each convolution and the batch "
                         "normalization after it as one op, its backward in N micro-batches "
                         "(tf_ucudnn.memory.streamed_conv_bn)")
+    parser.add_argument("--plans-without-autotuning", action="store_true",
+                        help="run tf_ucudnn's planned steps with TF_CUDNN_USE_AUTOTUNE=0: the "
+                        "first step's autotuning takes memory the plan does not count")
+    parser.add_argument("--synchronous-steps", action="store_true",
+                        help="time tf_ucudnn's planned steps each after the last one's loss is "
+                        "known, not queued back to back")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -229,12 +281,17 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--keras-fit-child", nargs=3, metavar=("MODEL", "BATCH", "STEPS"),
                         help=argparse.SUPPRESS)  # one batch of --keras-fit-tries, in a child
+    parser.add_argument("--trial-child", nargs=4, metavar=("MODEL", "BATCH", "BUDGET", "STEP_MS"),
+                        help=argparse.SUPPRESS)  # one tf_ucudnn trial, in a child
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.keras_fit_child:
         name, batch, steps = args.keras_fit_child
         _cap_gpu_memory(args.memory_limit_gib)
         print(json.dumps(_keras_fit_child(name, int(batch), int(steps), name == "smoke")))
+        return
+    if args.trial_child:
+        print(json.dumps(_trial_child(args)))
         return
     # The first step's convolution autotuning would hold uncounted copies of their outputs
     # (tf_ucudnn.memory.apply_memory_plan); TensorFlow's own steps run the same way.
@@ -251,6 +308,7 @@ def main():
                "budget_fractions": args.budget_fractions,
                "fuse_batch_norm": args.fuse_batch_norm,
                "stream_conv_batch_norm": args.stream_conv_bn, "layout_optimizer_in_plans": False,
+               "autotuning_in_plans": not args.plans_without_autotuning,
                "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"],
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},
@@ -301,10 +359,6 @@ def main():
             print(name, "Keras fit", json.dumps(entry["keras_fit"])[:300], flush=True)
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate
-        # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to
-        # NHWC around the swap nodes, copies the plan does not see (5.2 GB on ResNet-50 at batch
-        # 384, benchmarks/memory_trace.py): planned steps run without it.
-        tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
         trials = [(factor, fraction) for factor in args.factors
                   for fraction in args.budget_fractions] if batch else []
         for factor, fraction in trials:
@@ -313,9 +367,17 @@ def main():
             # plan trains it), scaled to the batch.
             step_ms = big_batch / calibration_rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
-            trial = _with_tf_ucudnn(model, shape, big_batch, budget, device_model,
-                                    args.steps, step_ms, args.fuse_batch_norm,
-                                    args.micro_batches, args.stream_conv_bn)
+            trial, failure = _in_child(
+                ["--trial-child", name, str(big_batch), str(budget), repr(step_ms),
+                 "--link-gb-s", repr(device_model.device_to_host / 1e9),
+                 repr(device_model.host_to_device / 1e9), "--steps", str(args.steps),
+                 "--stream-conv-bn", str(args.stream_conv_bn),
+                 "--micro-batches", *map(str, args.micro_batches),
+                 *(["--synchronous-steps"] if args.synchronous_steps else []),
+                 *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])],
+                args.memory_limit_gib,
+                {"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else None)
+            trial = trial or {"batch": big_batch, "error": failure}
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate

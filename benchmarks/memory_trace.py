@@ -166,6 +166,9 @@ def main():
         finally:
             if profiled:
                 tf.profiler.experimental.stop()
+            else:  # the autotuning step's own peak, which the traced step's does not show
+                result["first_step_peak_bytes"] = tf.config.experimental.get_memory_info(
+                    device)["peak"]
     result["measured_peak_bytes"] = tf.config.experimental.get_memory_info(device)["peak"]
     space = read_profile(logdir)  # read once: with the device tracer on, it is large
     result.update(alive_at_peak(space, device_allocator=bool(gpus)))
