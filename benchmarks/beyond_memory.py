@@ -191,7 +191,8 @@ def _load_model(name: str, smoke: bool):
 
 def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: int,
                     step_ms: float, fuse_batch_norm: bool, micro_batches,
-                    stream_conv_batch_norm: int, synchronous: bool) -> dict:
+                    stream_conv_batch_norm: int, synchronous: bool,
+                    cut: Optional[str] = None) -> dict:
     from tf_ucudnn.memory import BudgetError, plan_keras_step
 
     entry = {"batch": batch}
@@ -199,7 +200,9 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
         start = time.perf_counter()
         step, keras_plan = plan_keras_step(model, batch, budget, device_model, step_ms,
                                            fuse_batch_norm, micro_batches,
-                                           stream_conv_batch_norm=stream_conv_batch_norm)
+                                           cuts=[cut] if cut else None,
+                                           stream_conv_batch_norm=stream_conv_batch_norm,
+                                           whole_batches=cut is None)
         entry["planning_s"] = time.perf_counter() - start
     except BudgetError as error:
         entry["error"] = str(error)
@@ -239,7 +242,7 @@ def _trial_child(args) -> dict:
     link = DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9)
     return _with_tf_ucudnn(model, model.input_shape[1:], int(batch), int(budget), link,
                            args.steps, float(step_ms), args.fuse_batch_norm, args.micro_batches,
-                           args.stream_conv_bn, args.synchronous_steps)
+                           args.stream_conv_bn, args.synchronous_steps, args.cut)
 
 
 def main():
@@ -270,6 +273,10 @@ def main():
     parser.add_argument("--synchronous-steps", action="store_true",
                         help="time tf_ucudnn's planned steps each after the last one's loss is "
                         "known, not queued back to back")
+    parser.add_argument("--cut", metavar="LAYER",
+                        help="run tf_ucudnn's steps with the layers up to LAYER in micro-batches "
+                        "(one of --micro-batches), never whole: their largest tensors then need "
+                        "no large free chunk of the allocator's")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
@@ -309,6 +316,7 @@ def main():
                "fuse_batch_norm": args.fuse_batch_norm,
                "stream_conv_batch_norm": args.stream_conv_bn, "layout_optimizer_in_plans": False,
                "autotuning_in_plans": not args.plans_without_autotuning,
+               "micro_batched_until_in_plans": args.cut,
                "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"],
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},
@@ -374,6 +382,7 @@ def main():
                  "--stream-conv-bn", str(args.stream_conv_bn),
                  "--micro-batches", *map(str, args.micro_batches),
                  *(["--synchronous-steps"] if args.synchronous_steps else []),
+                 *(["--cut", args.cut] if args.cut else []),
                  *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])],
                 args.memory_limit_gib,
                 {"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else None)

@@ -110,6 +110,9 @@ def main():
     parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
                         help="train each widening convolution and its batch normalization as "
                         "one op, its backward in N micro-batches, as beyond_memory.py does")
+    parser.add_argument("--cut", metavar="LAYER",
+                        help="plan the layers up to LAYER in micro-batches, never whole "
+                        "(plan_keras_step's whole_batches=False)")
     parser.add_argument("--op-times", action="store_true",
                         help="trace the GPU's kernels too, and compare each op's measured time "
                         "with the time the plan assumed")
@@ -141,7 +144,9 @@ def main():
     if args.budget_gib:
         step, chosen = plan_keras_step(model, args.batch, int(args.budget_gib * 2**30), link,
                                        args.step_ms, args.fuse_batch_norm, args.micro_batches,
-                                       stream_conv_batch_norm=args.stream_conv_bn)
+                                       cuts=[args.cut] if args.cut else None,
+                                       stream_conv_batch_norm=args.stream_conv_bn,
+                                       whole_batches=args.cut is None)
         result.update(swaps=len(chosen.plan.swaps), recomputes=len(chosen.plan.recomputes),
                       micro_batched_until=chosen.micro_batched_until,
                       micro_batches=chosen.micro_batches,

@@ -217,6 +217,7 @@ def test_on_a_gpu_the_settings_that_add_uncounted_copies_are_named(gpu_device, m
     step = conv_training_step()
     plan = plan_step_memory(step, 1 << 40, SLOW_LINK)
     monkeypatch.delenv("TF_DISABLE_RZ_CHECK", raising=False)
+    monkeypatch.delenv("TF_CUDNN_USE_AUTOTUNE", raising=False)
     layout = tf.config.optimizer.get_experimental_options().get("layout_optimizer", True)
     try:
         tf.config.optimizer.set_experimental_options({"layout_optimizer": True})
@@ -224,8 +225,10 @@ def test_on_a_gpu_the_settings_that_add_uncounted_copies_are_named(gpu_device, m
             apply_memory_plan(step, plan)
         messages = " ".join(str(w.message) for w in caught)
         assert "layout optimizer is on" in messages and "TF_DISABLE_RZ_CHECK=1" in messages
+        assert "TF_CUDNN_USE_AUTOTUNE=0" in messages
         tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
         monkeypatch.setenv("TF_DISABLE_RZ_CHECK", "1")
+        monkeypatch.setenv("TF_CUDNN_USE_AUTOTUNE", "0")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             apply_memory_plan(step, plan)

@@ -11,7 +11,18 @@ micro-batch's activations of the prefix, at the cost of running the prefix's for
 
 Control edges chain the micro-batches, so that TensorFlow's executor does not run them side by
 side (which would hold them all at once). Only layers whose result for a sample does not depend
-on the rest of the batch may be in the prefix: batch normalization in training is refused.
+on the rest of the batch may be in the prefix, but for one batch normalization, such as a
+ResNet's stem (convolution, normalization, ReLU, padding, max pooling): its statistics are made
+first, one micro-batch after another (the micro-batches' means and squared deviations combined
+as Chan et al. combine them), then each micro-batch is made through the normalization with the
+whole batch's statistics. Its backward pass goes over the micro-batches twice: once for the
+whole batch's sums of the normalization's output gradient, dy and dy * x_hat (the offset's and
+scale's gradients), then for the input gradient dz = scale * inv_std * (dy - sum(dy) / n -
+x_hat * sum(dy * x_hat) / n) and the gradients of the layers before it. So the layers before the
+normalization run four times and those after it three; on ResNet-50 at batch 768 on a GPU capped
+at 16 GiB, the stem's full-batch tensors (2.3 to 2.4 GiB each) are what the BFC allocator could
+not place once its free space was split (benchmarks/results/
+beyond_memory_h200_resnet50_768_allocator.json).
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_ucudnn.batch_norm_fusion import update_moving_statistics
+from tf_ucudnn.memory.streamed_conv_bn import _gradient_sums, _normalization_gradient
 from tf_ucudnn.plan import even_sizes
 
 _BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization", "GroupNormalization")
@@ -29,11 +42,15 @@ _BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization", "GroupNormal
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """The model cut after `layer`: its first layers, and the layers after them."""
+    """The model cut after `layer`: its first layers, and the layers after them; where the
+    first layers hold a batch normalization, the layers before it and after it."""
 
     layer: str
     head: tf.keras.Model
     tail: tf.keras.Model
+    normalization: Optional[tf.keras.layers.BatchNormalization] = None
+    before_normalization: Optional[tf.keras.Model] = None
+    after_normalization: Optional[tf.keras.Model] = None  # None: the cut is the normalization
 
 
 class PrefixError(ValueError):
@@ -48,10 +65,27 @@ def cut(model: tf.keras.Model, layer: str) -> Prefix:
     except ValueError as error:
         raise PrefixError(f"{model.name} has no layer {layer!r}") from error
     head = tf.keras.Model(model.inputs, boundary.output, name=f"{model.name}_to_{layer}")
-    for inner in head.layers:
-        if type(inner).__name__ in _BATCH_DEPENDENT:
-            raise PrefixError(f"{inner.name}: {type(inner).__name__} depends on the whole "
-                              f"batch, so the layers up to {layer} cannot run in micro-batches")
+    # A batch normalization that is not trainable normalizes with its moving statistics.
+    dependent = [inner for inner in head.layers if type(inner).__name__ in _BATCH_DEPENDENT
+                 and not (isinstance(inner, tf.keras.layers.BatchNormalization)
+                          and not inner.trainable)]
+    normalization = before = after = None
+    if dependent:
+        normalization = dependent[0]
+        reason = _unsplittable_normalization(dependent)
+        if reason is None:
+            try:
+                before = tf.keras.Model(model.inputs, normalization.input,
+                                        name=f"{model.name}_before_{normalization.name}")
+                after = None if normalization is boundary else tf.keras.Model(
+                    normalization.output, boundary.output,
+                    name=f"{model.name}_after_{normalization.name}")
+            except ValueError as error:
+                reason = f"the layers after it read more than its output ({error})"
+        if reason is not None:
+            raise PrefixError(f"{normalization.name}: {type(normalization).__name__} depends on "
+                              f"the whole batch, and {reason}, so the layers up to {layer} "
+                              "cannot run in micro-batches")
     try:
         tail = tf.keras.Model(boundary.output, model.outputs, name=f"{model.name}_from_{layer}")
     except ValueError as error:
@@ -62,7 +96,28 @@ def cut(model: tf.keras.Model, layer: str) -> Prefix:
     if len(prefix_weights) + len(tail_weights) != len({id(v) for v in model.weights}):
         raise PrefixError(f"{layer}: the layers before and after it do not divide the "
                           "model's weights between them")
-    return Prefix(layer, head, tail)
+    return Prefix(layer, head, tail, normalization, before, after)
+
+
+def _unsplittable_normalization(dependent: list) -> Optional[str]:
+    """Why the first layers' batch-dependent layers cannot have their statistics made apart,
+    or None."""
+    if len(dependent) > 1:
+        return (f"so do {', '.join(layer.name for layer in dependent[1:])}: only one "
+                "normalization's statistics can be made in a pass of their own")
+    layer = dependent[0]
+    if not isinstance(layer, tf.keras.layers.BatchNormalization):
+        return "only a BatchNormalization's statistics can be made in a pass of their own"
+    axis = layer.axis if isinstance(layer.axis, int) else (
+        layer.axis[0] if len(layer.axis) == 1 else None)
+    rank = len(layer.input.shape)
+    if axis is None or axis % rank != rank - 1:
+        return f"it normalizes axis {layer.axis}, not the last (channels) one"
+    if layer.renorm or layer.synchronized:
+        return "it is a batch renormalization" if layer.renorm else "it is synchronized"
+    if layer.input.dtype != "float32":
+        return f"its input is {layer.input.dtype}, not float32"
+    return None
 
 
 def run_in_micro_batches(head: tf.keras.Model, x, micro_batches: int,
@@ -108,10 +163,131 @@ def run_in_micro_batches(head: tf.keras.Model, x, micro_batches: int,
     return forward(x)
 
 
+@tf.function(jit_compile=True, autograph=False)
+def _moments(z):
+    """Per channel: the mean and the sum of squared deviations from it."""
+    axes = list(range(len(z.shape) - 1))
+    mean = tf.reduce_mean(z, axes)
+    return mean, tf.reduce_sum(tf.math.squared_difference(z, mean), axes)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _normalized(z, mean, inv_std, scale, offset):
+    return (z - mean) * (inv_std * scale) + offset
+
+
+def run_with_batch_statistics(prefix: Prefix, x, micro_batches: int,
+                              input_gradient: bool = False):
+    """`prefix.head(x, training=True)` for a head that holds one batch normalization, one
+    micro-batch at a time with the whole batch's statistics (see the module's docstring), and
+    the normalization's moving statistics updated as Keras updates them."""
+    norm, before, after = (prefix.normalization, prefix.before_normalization,
+                           prefix.after_normalization)
+    batch = int(x.shape[0])
+    if not 1 <= micro_batches <= batch:
+        raise ValueError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches")
+    sizes = even_sizes(batch, micro_batches)
+    channels = norm.input.shape[-1]
+    scale = tf.convert_to_tensor(norm.gamma) if norm.scale else tf.ones([channels])
+    offset = tf.convert_to_tensor(norm.beta) if norm.center else tf.zeros([channels])
+
+    def normalized_then_after(z, mean, inv_std, scale, offset):
+        a = _normalized(z, mean, inv_std, scale, offset)
+        return a if after is None else after(a, training=True)
+
+    @tf.custom_gradient
+    def forward(x, scale, offset):
+        chunks = tf.split(x, sizes, axis=0)
+        count, mean, squares, previous = 0.0, None, None, []
+        for chunk in chunks:
+            with tf.control_dependencies(previous):
+                z = before(tf.identity(chunk), training=True)
+                chunk_mean, chunk_squares = _moments(z)
+            chunk_count = float(z.shape.num_elements() // channels)
+            if mean is None:
+                mean, squares = chunk_mean, chunk_squares
+            else:  # Chan, Golub and LeVeque's pairwise combination
+                delta, total = chunk_mean - mean, count + chunk_count
+                mean = mean + delta * (chunk_count / total)
+                squares = squares + chunk_squares + tf.square(delta) * (count * chunk_count / total)
+            count += chunk_count
+            previous = [mean, squares]
+        variance = squares / count
+        inv_std = tf.math.rsqrt(variance + norm.epsilon)
+        outputs = []
+        for chunk in chunks:
+            with tf.control_dependencies(outputs[-1:] or previous):
+                z = before(tf.identity(chunk), training=True)
+                outputs.append(normalized_then_after(z, mean, inv_std, scale, offset))
+
+        def backward(dy, *_statistics_gradients, variables=None):
+            weights = list(variables or ())
+            dy_chunks = tf.split(dy, sizes, axis=0)
+            sums = [None] * len(weights)
+
+            def add(gradients):
+                for i, g in enumerate(gradients):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i] + g
+
+            def normalization_output_gradient(z, dy_chunk, with_weights):
+                if after is None:
+                    return dy_chunk
+                a = _normalized(z, mean, inv_std, scale, offset)
+                with tf.GradientTape() as tape:
+                    tape.watch(a)
+                    out = after(a, training=True)
+                grads = tape.gradient(out, [a, *(weights if with_weights else [])],
+                                      output_gradients=dy_chunk)
+                add(grads[1:])
+                return grads[0]
+
+            # Over the micro-batches once for the normalization's sums (and the weights after
+            # it), once more for its input gradient (and the weights before it). The first
+            # waits for the output's gradient, lest its activations be made in the forward pass.
+            d_offset = d_scale = None
+            previous = [dy]
+            for chunk, dy_chunk in zip(chunks, dy_chunks):
+                with tf.control_dependencies(previous):
+                    z = before(tf.identity(chunk), training=True)
+                    da = normalization_output_gradient(z, dy_chunk, with_weights=True)
+                    chunk_offset, chunk_scale = _gradient_sums(da, z, mean, inv_std)
+                d_offset = chunk_offset if d_offset is None else d_offset + chunk_offset
+                d_scale = chunk_scale if d_scale is None else d_scale + chunk_scale
+                previous = [d_offset, d_scale, *(g for g in sums if g is not None)]
+            dx_chunks = []
+            for chunk, dy_chunk in zip(chunks, dy_chunks):
+                with tf.control_dependencies(previous):
+                    chunk = tf.identity(chunk)
+                    with tf.GradientTape() as tape:
+                        tape.watch(chunk)
+                        z = before(chunk, training=True)
+                    da = normalization_output_gradient(z, dy_chunk, with_weights=False)
+                    dz, _ = _normalization_gradient(da, z, mean, inv_std, scale, d_offset,
+                                                    d_scale, count)
+                    grads = tape.gradient(z, [chunk, *weights], output_gradients=dz)
+                dx_chunks.append(grads[0])
+                add(grads[1:])
+                previous = [grads[0], *(g for g in sums if g is not None)]
+            dx = tf.concat(dx_chunks, axis=0) if input_gradient else None
+            return ([dx, d_scale, d_offset],
+                    [tf.zeros_like(w) if g is None else g for w, g in zip(weights, sums)])
+
+        return (tf.concat(outputs, axis=0), tf.stop_gradient(mean),
+                tf.stop_gradient(variance)), backward
+
+    output, mean, variance = forward(x, scale, offset)
+    update_moving_statistics(norm, mean, variance)
+    return output
+
+
 def microbatched_model_call(prefix: Prefix, micro_batches: int):
     """A call `f(x)` of the whole model, its prefix run in micro-batches."""
+    run = run_with_batch_statistics if prefix.normalization is not None else (
+        lambda prefix, x, count: run_in_micro_batches(prefix.head, x, count))
+
     def call(x, training: Optional[bool] = True):
-        return prefix.tail(run_in_micro_batches(prefix.head, x, micro_batches), training=training)
+        return prefix.tail(run(prefix, x, micro_batches), training=training)
     return call
 
 

@@ -307,7 +307,11 @@ def apply_memory_plan(function, plan: MemoryPlan):
     TF_DISABLE_RZ_CHECK=1: the first step autotunes each of TensorFlow's convolutions into a
     copy of its output (with guard bytes, to catch cuDNN writing out of bounds), taken while
     memory allows and held beside the output; on the H100, ResNet-50's planned step at batch
-    576 ran out of memory beside one of 1.87 GB. A warning says so when either is left on."""
+    576 ran out of memory beside one of 1.87 GB. And with TF_CUDNN_USE_AUTOTUNE=0, or room left
+    beside the budget: the first step's autotuning takes scratch memory as the device allows
+    (on an H200 capped at 16 GiB, ResNet-50's step planned at 12.74 GB for batch 768 peaked at
+    15.1-16.0 GB in its first step, and at 12.3 GB without autotuning). A warning says so when
+    any of these is left on."""
     if tf.config.list_logical_devices("GPU"):
         if tf.config.optimizer.get_experimental_options().get("layout_optimizer", True):
             warnings.warn("Grappler's layout optimizer is on: on a GPU it adds copies the "
@@ -316,6 +320,10 @@ def apply_memory_plan(function, plan: MemoryPlan):
         if os.environ.get("TF_DISABLE_RZ_CHECK") != "1":
             warnings.warn("TensorFlow's convolution autotuning holds a copy of each output the "
                           "memory plan does not count; set TF_DISABLE_RZ_CHECK=1 to go without")
+        if os.environ.get("TF_CUDNN_USE_AUTOTUNE", "").lower() not in ("0", "false"):
+            warnings.warn("TensorFlow's convolution autotuning takes scratch memory the memory "
+                          "plan does not count in the first step; leave room beside the budget, "
+                          "or set TF_CUDNN_USE_AUTOTUNE=0 (cuDNN's heuristics choose instead)")
     graph_def = insert_recomputes(function.graph.as_graph_def(), plan.recomputes, function.graph)
     graph_def = insert_swaps(graph_def, _with_clone_readers(
         graph_def, plan, function.graph.get_operations()))
@@ -366,8 +374,11 @@ def plan_with_micro_batches(trace: Callable[[Optional[str], int], object], budge
                             device_model: DeviceModel, step_ms: Optional[float],
                             cuts: Iterable[tuple[str, Optional[str]]],
                             micro_batches: Iterable[int] = (4, 8),
-                            batch_size: Optional[int] = None) -> Planned:
-    """Plans `trace(None, 1)`, the step in whole batches; if no plan fits the budget, the step
+                            batch_size: Optional[int] = None,
+                            whole_batches: bool = True) -> Planned:
+    """Plans `trace(None, 1)`, the step in whole batches (unless not `whole_batches`: a plan
+    that fits may still leave the allocator no room for the first layers' largest tensors,
+    when its free space is split); if no plan fits the budget, the step
     with its ops up to a cut in micro-batches, `trace(cut, count)`: the first of `cuts` (pairs of
     a cut and None, or the reason it cannot be made; worked out only when reached) at which a
     plan fits, in whichever of `micro_batches` gives the shortest predicted step (counts over
@@ -390,9 +401,10 @@ def plan_with_micro_batches(trace: Callable[[Optional[str], int], object], budge
         # longer by what the estimates add.
         calibrated = None
         if step_ms is not None:
-            estimate = sum(op_times(step.graph, device_model, None, None))
-            whole_ms = whole_ms or estimate
-            calibrated = step_ms * estimate / whole_ms
+            if whole_ms is None:
+                whole = step if cut is None else trace(None, 1)
+                whole_ms = sum(op_times(whole.graph, device_model, None, None))
+            calibrated = step_ms * sum(op_times(step.graph, device_model, None, None)) / whole_ms
         try:
             return step, plan_step_memory(step, budget_bytes, device_model, step_ms=calibrated)
         except BudgetError as error:
@@ -400,7 +412,9 @@ def plan_with_micro_batches(trace: Callable[[Optional[str], int], object], budge
             passed_over.append(f"{where}: {error.shortfall_bytes / MIB:.1f} MiB over")
             return None
 
-    result, chosen = attempt(None, 1), (None, 1)
+    result, chosen = attempt(None, 1) if whole_batches else None, (None, 1)
+    if not whole_batches:
+        passed_over.append("whole batches: not tried, as asked")
     if result is None:
         for cut, refusal in cuts:
             if refusal is not None:
