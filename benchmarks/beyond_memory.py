@@ -37,6 +37,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_ucudnn.profiling.allocator_log import out_of_memory_report
+
 
 def _cap_gpu_memory(limit_gib: float) -> str:
     gpus = tf.config.list_physical_devices("GPU")
@@ -133,8 +135,8 @@ def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
     allocator check) rather than report running out of memory, which would end this run too."""
     trials, failures, size = {}, {}, batch
     while len(trials) < tries and size > 0 and size not in trials:
-        result, failure = _in_child(["--keras-fit-child", name, str(size), str(steps)],
-                                    memory_limit_gib)
+        result, failure, _ = _in_child(["--keras-fit-child", name, str(size), str(steps)],
+                                       memory_limit_gib)
         trials[size] = result.get("img_per_s")
         if trials[size] is None:
             failures[size] = result.get("error") or failure
@@ -145,18 +147,19 @@ def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
 
 
 def _in_child(arguments: list, memory_limit_gib: float,
-              environment: Optional[dict] = None) -> tuple[dict, Optional[str]]:
+              environment: Optional[dict] = None) -> tuple[dict, Optional[str], str]:
     """This script's JSON answer to `arguments`, run in a process of its own under the same
-    cap (with `environment`'s variables added), and if it gave none, how the process ended."""
+    cap (with `environment`'s variables added); if it gave none, how the process ended; and its
+    standard error."""
     child = subprocess.run(
         [sys.executable, os.path.abspath(__file__), *arguments,
          "--memory-limit-gib", str(memory_limit_gib), "--out", os.devnull],
         capture_output=True, text=True, env={**os.environ, **(environment or {})})
     lines = child.stdout.strip().splitlines()
     if child.returncode == 0 and lines:
-        return json.loads(lines[-1]), None
+        return json.loads(lines[-1]), None, child.stderr
     tail = [line for line in child.stderr.splitlines() if line.strip()][-3:]
-    return {}, f"exit status {child.returncode}: " + " | ".join(tail)[-400:]
+    return {}, f"exit status {child.returncode}: " + " | ".join(tail)[-400:], child.stderr
 
 
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
@@ -375,7 +378,7 @@ def main():
             # plan trains it), scaled to the batch.
             step_ms = big_batch / calibration_rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
-            trial, failure = _in_child(
+            trial, failure, log = _in_child(
                 ["--trial-child", name, str(big_batch), str(budget), repr(step_ms),
                  "--link-gb-s", repr(device_model.device_to_host / 1e9),
                  repr(device_model.host_to_device / 1e9), "--steps", str(args.steps),
@@ -385,8 +388,15 @@ def main():
                  *(["--cut", args.cut] if args.cut else []),
                  *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])],
                 args.memory_limit_gib,
-                {"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else None)
+                # At log level 0 the allocator maps its memory when it runs out.
+                {"TF_CPP_MIN_LOG_LEVEL": "0",
+                 **({"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else {})})
             trial = trial or {"batch": big_batch, "error": failure}
+            # The allocator's first failure, which may be an autotuner's workspace it went
+            # without: too little memory, or memory too split.
+            allocator = out_of_memory_report(log)
+            if allocator is not None:
+                trial["allocator_first_out_of_memory"] = allocator.to_json()
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
