@@ -23,6 +23,13 @@ a GPU, which the planned steps do not use but for batch normalization with `xla`
 TensorFlow's largest batch, each batch size in a child process under the same cap: on the H100
 it ran ResNet-50 at batch 192 2.5 times as fast as TensorFlow's default step.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
+
+Under the cap, TensorFlow's BFC allocator can fail with enough memory free but split into chunks
+smaller than a request (ResNet-50 at 768, results/beyond_memory_h200_resnet50_768_allocator.json;
+each trial records the allocator's first failure, `allocator_first_out_of_memory`). The trials
+may run with CUDA's allocator instead (`--trial-allocator cuda_malloc_async`, which the
+failure's own message suggests), on a device with only the cap left free, TensorFlow's own step
+timed the same way beside them; and with the first layers never whole (`--cut LAYER`).
 """
 
 from __future__ import annotations
@@ -226,6 +233,58 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
     return entry
 
 
+def _hold_all_but(leave_bytes: int) -> int:
+    """Takes, through the CUDA driver and for the process's life, all of the first GPU's free
+    memory but `leave_bytes`, before TensorFlow starts on it: then the GPU has that much,
+    whatever TensorFlow's allocator (`memory_limit` binds its BFC allocator only; the
+    cuda_malloc_async allocator counts it but never refuses past it). Returns the bytes taken."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(status: int, call: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{call}: CUDA driver error {status}")
+    check(cuda.cuInit(0), "cuInit")
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    # TensorFlow uses the device's primary context too: the memory taken here is its own's.
+    check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+    taken = free.value - leave_bytes
+    if taken > 0:
+        pointer = ctypes.c_uint64()
+        check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(taken)), "cuMemAlloc")
+    return max(taken, 0)
+
+
+def _child_setup(args) -> dict:
+    """A child's GPU, capped as the parent asked: with `memory_limit`, or with --trial-allocator
+    cuda_malloc_async, by leaving only that much memory free on the device (then TensorFlow
+    takes what it finds free, as on a GPU of that size)."""
+    setting = {"allocator": args.trial_allocator}
+    if args.trial_allocator == "bfc":
+        _cap_gpu_memory(args.memory_limit_gib)
+    elif tf.config.list_physical_devices("GPU"):
+        setting["held_bytes"] = _hold_all_but(int(args.memory_limit_gib * (1 << 30)))
+    return setting
+
+
+def _tensorflow_child(args) -> dict:
+    """TensorFlow's own step at one batch in this process (a child), capped as the trials are."""
+    name, batch = args.tensorflow_child
+    setting = _child_setup(args)
+    tf.keras.utils.set_random_seed(0)
+    from tf_ucudnn.memory import keras_training_step
+
+    model = _load_model(name, name == "smoke")
+    rate, error = _try(lambda: _images_per_second(keras_training_step(model, int(batch)),
+                                                  int(batch), model.input_shape[1:], args.steps))
+    return {"batch": int(batch), **setting, "img_per_s": rate, "error": error}
+
+
 def _trial_child(args) -> dict:
     """One tf_ucudnn trial of `main`, in this process (its child): planned and run in a fresh
     TensorFlow, as a training job would be. In the parent, after TensorFlow's own tries, a
@@ -233,7 +292,7 @@ def _trial_child(args) -> dict:
     trained under in a process of its own (benchmarks/memory_trace.py), where the first,
     autotuning step peaked at 15.7 GB."""
     name, batch, budget, step_ms = args.trial_child
-    _cap_gpu_memory(args.memory_limit_gib)
+    setting = _child_setup(args)
     # Grappler's layout optimizer turns a GPU step to NCHW and copies kept tensors back to NHWC
     # around the swap nodes, copies the plan does not see (5.2 GB on ResNet-50 at batch 384,
     # benchmarks/memory_trace.py): planned steps run without it.
@@ -243,9 +302,10 @@ def _trial_child(args) -> dict:
 
     model = _load_model(name, name == "smoke")
     link = DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9)
-    return _with_tf_ucudnn(model, model.input_shape[1:], int(batch), int(budget), link,
-                           args.steps, float(step_ms), args.fuse_batch_norm, args.micro_batches,
-                           args.stream_conv_bn, args.synchronous_steps, args.cut)
+    return {**_with_tf_ucudnn(model, model.input_shape[1:], int(batch), int(budget), link,
+                              args.steps, float(step_ms), args.fuse_batch_norm,
+                              args.micro_batches, args.stream_conv_bn, args.synchronous_steps,
+                              args.cut), **setting}
 
 
 def main():
@@ -291,8 +351,15 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--keras-fit-child", nargs=3, metavar=("MODEL", "BATCH", "STEPS"),
                         help=argparse.SUPPRESS)  # one batch of --keras-fit-tries, in a child
+    parser.add_argument("--trial-allocator", choices=["bfc", "cuda_malloc_async"], default="bfc",
+                        help="TensorFlow's GPU allocator in tf_ucudnn's trials: cuda_malloc_async "
+                        "(CUDA's, which TensorFlow's out-of-memory message suggests against "
+                        "fragmentation) with only --memory-limit-gib left free on the device; "
+                        "TensorFlow's own step is then timed the same way too")
     parser.add_argument("--trial-child", nargs=4, metavar=("MODEL", "BATCH", "BUDGET", "STEP_MS"),
                         help=argparse.SUPPRESS)  # one tf_ucudnn trial, in a child
+    parser.add_argument("--tensorflow-child", nargs=2, metavar=("MODEL", "BATCH"),
+                        help=argparse.SUPPRESS)  # TensorFlow's step as the trials run, a child
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.keras_fit_child:
@@ -302,6 +369,9 @@ def main():
         return
     if args.trial_child:
         print(json.dumps(_trial_child(args)))
+        return
+    if args.tensorflow_child:
+        print(json.dumps(_tensorflow_child(args)))
         return
     # The first step's convolution autotuning would hold uncounted copies of their outputs
     # (tf_ucudnn.memory.apply_memory_plan); TensorFlow's own steps run the same way.
@@ -370,6 +440,16 @@ def main():
             print(name, "Keras fit", json.dumps(entry["keras_fit"])[:300], flush=True)
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate
+        trial_environment = ({"TF_GPU_ALLOCATOR": args.trial_allocator}
+                             if args.trial_allocator != "bfc" else {})
+        if batch and trial_environment:  # TensorFlow's own step, capped as the trials are
+            baseline, failure, _ = _in_child(
+                ["--tensorflow-child", name, str(batch), "--steps", str(args.steps),
+                 "--trial-allocator", args.trial_allocator],
+                args.memory_limit_gib, trial_environment)
+            entry["tensorflow_as_trials_run"] = baseline or {"batch": batch, "error": failure}
+            print(name, "TensorFlow as the trials run", json.dumps(
+                entry["tensorflow_as_trials_run"])[:300], flush=True)
         trials = [(factor, fraction) for factor in args.factors
                   for fraction in args.budget_fractions] if batch else []
         for factor, fraction in trials:
@@ -386,10 +466,11 @@ def main():
                  "--micro-batches", *map(str, args.micro_batches),
                  *(["--synchronous-steps"] if args.synchronous_steps else []),
                  *(["--cut", args.cut] if args.cut else []),
+                 "--trial-allocator", args.trial_allocator,
                  *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])],
                 args.memory_limit_gib,
                 # At log level 0 the allocator maps its memory when it runs out.
-                {"TF_CPP_MIN_LOG_LEVEL": "0",
+                {"TF_CPP_MIN_LOG_LEVEL": "0", **trial_environment,
                  **({"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else {})})
             trial = trial or {"batch": big_batch, "error": failure}
             # The allocator's first failure, which may be an autotuner's workspace it went
@@ -400,7 +481,8 @@ def main():
             trial.update(factor=factor, budget_fraction=fraction)
             if trial.get("img_per_s"):
                 trial["vs_tensorflow"] = trial["img_per_s"] / rate
-                for baseline in ("tensorflow_as_planned", "keras_fit"):
+                for baseline in ("tensorflow_as_planned", "tensorflow_as_trials_run",
+                                 "keras_fit"):
                     baseline_rate = entry.get(baseline, {}).get("img_per_s")
                     if baseline_rate:
                         trial[f"vs_{baseline}"] = trial["img_per_s"] / baseline_rate
