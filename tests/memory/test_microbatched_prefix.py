@@ -14,7 +14,7 @@ from training_steps import SLOW_LINK, assert_same_step, pooled_conv_model
 layers = tf.keras.layers
 
 
-def _gradient_step(model, batch, forward):
+def _loss_and_gradients(model, forward):
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
@@ -22,9 +22,12 @@ def _gradient_step(model, batch, forward):
         with tf.GradientTape() as tape:
             value = loss(y, forward(x))
         return value, tape.gradient(value, model.trainable_variables)
+    return step
 
-    return step.get_concrete_function(tf.TensorSpec([batch, 32, 32, 3]),
-                                      tf.TensorSpec([batch], tf.int32))
+
+def _gradient_step(model, batch, forward):
+    return _loss_and_gradients(model, forward).get_concrete_function(
+        tf.TensorSpec([batch, 32, 32, 3]), tf.TensorSpec([batch], tf.int32))
 
 
 @pytest.mark.parametrize("layer, micro_batches", [("pool1", 3), ("pool2", 4), ("c1", 8)])
@@ -66,17 +69,6 @@ def _stem_model():
     h = layers.BatchNormalization(name="conv2_bn")(h)
     h = layers.GlobalAveragePooling2D()(layers.ReLU()(h))
     return tf.keras.Model(inputs, layers.Dense(4)(h))
-
-
-def _loss_and_gradients(model, forward):
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(y, forward(x))
-        return value, tape.gradient(value, model.trainable_variables)
-    return step
 
 
 @pytest.mark.parametrize("layer, micro_batches", [("pool1", 3), ("pool1", 7), ("conv1_bn", 2)])
