@@ -43,10 +43,15 @@ class UnfusedLayer:
     reason: str
 
 
+def normalized_axis(layer: keras.layers.BatchNormalization):
+    """The one axis the layer normalizes (possibly negative), or None if it normalizes more."""
+    return layer.axis if isinstance(layer.axis, int) else (
+        layer.axis[0] if len(layer.axis) == 1 else None)
+
+
 def unfusable_because(layer: keras.layers.BatchNormalization, rank: int):
     """None if the layer's training call can be fused for inputs of this rank, else why not."""
-    axis = layer.axis if isinstance(layer.axis, int) else (
-        layer.axis[0] if len(layer.axis) == 1 else None)
+    axis = normalized_axis(layer)
     if rank not in _FORMATS:
         return f"inputs of rank {rank}: the fused kernel takes 4-D or 5-D inputs"
     if axis is None or axis % rank != rank - 1:

@@ -33,7 +33,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_ucudnn.batch_norm_fusion import update_moving_statistics
+from tf_ucudnn.batch_norm_fusion import normalized_axis, update_moving_statistics
 from tf_ucudnn.memory.streamed_conv_bn import _gradient_sums, _normalization_gradient
 from tf_ucudnn.plan import even_sizes
 
@@ -108,8 +108,7 @@ def _unsplittable_normalization(dependent: list) -> Optional[str]:
     layer = dependent[0]
     if not isinstance(layer, tf.keras.layers.BatchNormalization):
         return "only a BatchNormalization's statistics can be made in a pass of their own"
-    axis = layer.axis if isinstance(layer.axis, int) else (
-        layer.axis[0] if len(layer.axis) == 1 else None)
+    axis = normalized_axis(layer)
     rank = len(layer.input.shape)
     if axis is None or axis % rank != rank - 1:
         return f"it normalizes axis {layer.axis}, not the last (channels) one"
@@ -120,15 +119,19 @@ def _unsplittable_normalization(dependent: list) -> Optional[str]:
     return None
 
 
+def _micro_batch_sizes(x, micro_batches: int) -> list[int]:
+    batch = int(x.shape[0])
+    if not 1 <= micro_batches <= batch:
+        raise ValueError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches")
+    return even_sizes(batch, micro_batches)
+
+
 def run_in_micro_batches(head: tf.keras.Model, x, micro_batches: int,
                          input_gradient: bool = False):
     """`head(x, training=True)`, computed one micro-batch at a time and only the output kept;
     its gradient makes each micro-batch's activations again. `input_gradient` says whether x
     needs a gradient (not for the model's own input)."""
-    batch = int(x.shape[0])
-    if not 1 <= micro_batches <= batch:
-        raise ValueError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches")
-    sizes = even_sizes(batch, micro_batches)
+    sizes = _micro_batch_sizes(x, micro_batches)
 
     @tf.custom_gradient
     def forward(x):
@@ -183,10 +186,7 @@ def run_with_batch_statistics(prefix: Prefix, x, micro_batches: int,
     the normalization's moving statistics updated as Keras updates them."""
     norm, before, after = (prefix.normalization, prefix.before_normalization,
                            prefix.after_normalization)
-    batch = int(x.shape[0])
-    if not 1 <= micro_batches <= batch:
-        raise ValueError(f"cannot divide a batch of {batch} into {micro_batches} micro-batches")
-    sizes = even_sizes(batch, micro_batches)
+    sizes = _micro_batch_sizes(x, micro_batches)
     channels = norm.input.shape[-1]
     scale = tf.convert_to_tensor(norm.gamma) if norm.scale else tf.ones([channels])
     offset = tf.convert_to_tensor(norm.beta) if norm.center else tf.zeros([channels])
