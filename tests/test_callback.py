@@ -220,6 +220,38 @@ def test_under_a_tighter_budget_the_first_layers_train_in_micro_batches():
     assert "call" not in vars(planned) and "train_step" not in vars(planned)
 
 
+def _stem_style():
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, strides=2, padding="same"),
+        layers.BatchNormalization(momentum=0.5),
+        layers.ReLU(),
+        layers.ZeroPadding2D(1),
+        layers.MaxPooling2D(3, 2),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+
+
+def test_asked_to_the_callback_trains_first_layers_with_a_batch_normalization_in_micro_batches():
+    from training_steps import SLOW_LINK
+
+    plain, plain_history = _fit(_stem_style, [])
+    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+                                  device_model=SLOW_LINK, whole_batches=False, verbose=0)
+    planned, history = _fit(_stem_style, [callback])
+    chosen = callback.memory_plan
+    assert chosen.micro_batched_until.startswith("max_pooling2d")
+    assert chosen.passed_over == ["whole batches: not tried, as asked"]
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    # The weights and the normalization's moving statistics.
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "call" not in vars(planned) and "train_step" not in vars(planned)
+
+
 def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
     from training_steps import SLOW_LINK
 

@@ -70,6 +70,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         BudgetError saying by how much.
       micro_batches: the micro-batch counts the first layers may run in under a memory budget
         (none: whole batches only).
+      whole_batches: False to run the first layers in micro-batches under a memory budget even
+        where a plan in whole batches fits: their largest tensors are then never whole, which
+        a GPU allocator whose free memory is split may have no room for.
       device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
         if not given).
       fuse_batch_norm: train the BatchNormalization layers as fused kernels, True or "cudnn"
@@ -87,7 +90,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  planner: Optional[Planner] = None,
                  *, database: str = DEFAULT_DATABASE, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
-                 micro_batches: Sequence[int] = (4, 8),
+                 micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False,
                  verbose: int = 1):
         super().__init__()
@@ -95,6 +98,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self._device_model = device_model
         self.micro_batches = tuple(micro_batches)
+        self.whole_batches = whole_batches
         self.memory_plan: Optional[KerasStepPlan] = None
         self._planner = planner
         self._database = database
@@ -236,7 +240,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         step, self.memory_plan = plan_keras_step(
             self.model, batch, self.memory_budget_bytes,
             self._device_model or DeviceModel.measure(), micro_batches=self.micro_batches,
-            trace=trace)
+            trace=trace, whole_batches=self.whole_batches)
         self.report.memory = self.memory_plan.plan
         if self.verbose:
             print(self.report.memory.to_text(), flush=True)
