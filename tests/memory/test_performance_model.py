@@ -326,3 +326,45 @@ def test_a_budget_that_cannot_be_met_is_missed_by_the_lowest_peak_reached():
     assert error.value.prediction.peak_bytes == 250 and error.value.shortfall_bytes == 50
     assert predict(op_ms, tensors, slow, [], recomputes=[
         RecomputeDecision("A", 0.1, transient_bytes=400)]).peak_bytes == 500
+
+
+def _restarting_greedy(monkeypatch, plan_at_scaled_times):
+    """`_greedy` replaced: no plan at the op times as given, `plan_at_scaled_times` (a swap of
+    A) at any others; returns the first op's time of each call."""
+    from tf_ucudnn.memory import performance_model
+
+    calls = []
+
+    def greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, *rest):
+        calls.append(op_ms[0])
+        if op_ms[0] == 1.0:
+            raise BudgetError(budget_bytes, predict(op_ms, tensors, model))
+        swaps = (plan_at_scaled_times,)
+        return performance_model.MemoryDecisions(swaps, (), predict(op_ms, tensors, model, swaps))
+    monkeypatch.setattr(performance_model, "_greedy", greedy)
+    return calls
+
+
+def test_where_the_greedy_choice_finds_no_plan_it_starts_again_at_scaled_op_times(monkeypatch):
+    op_ms = [1.0] * 8
+    tensors = [TensorUse("A", 100, 0, (1, 7), (7,)), TensorUse("B", 100, 1, (2, 6), (6,)),
+               TensorUse("C", 10, 2, (3,))]
+    calls = _restarting_greedy(monkeypatch, SwapDecision("A", 5))
+    decisions = plan_memory(op_ms, tensors, LINK, budget_bytes=200)
+    assert calls == [1.0, 0.995]  # the first restart fits: no more
+    assert decisions.swaps == (SwapDecision("A", 5),)
+    # Predicted again with the op times as they are.
+    assert decisions.prediction == predict(op_ms, tensors, LINK, decisions.swaps)
+    assert decisions.prediction.step_ms == 8.0 and decisions.prediction.peak_bytes == 200
+
+
+def test_a_restart_s_plan_that_misses_the_budget_at_the_real_op_times_is_not_taken(monkeypatch):
+    op_ms = [1.0] * 8
+    tensors = [TensorUse("A", 100, 0, (1, 7), (7,)), TensorUse("B", 100, 1, (2, 6), (6,)),
+               TensorUse("C", 10, 2, (3,))]
+    # Copied back right after its copy out, A is on the device beside B again: 210 bytes.
+    calls = _restarting_greedy(monkeypatch, SwapDecision("A", 1))
+    with pytest.raises(BudgetError) as error:
+        plan_memory(op_ms, tensors, LINK, budget_bytes=200)
+    assert calls == [1.0, 0.995, 1.005, 0.99, 1.01, 0.98, 1.02]
+    assert error.value.shortfall_bytes == 10  # the unscaled run's

@@ -418,6 +418,13 @@ class MemoryDecisions:
                 "prediction": self.prediction.to_json()}
 
 
+# Where the greedy choice finds no plan, it starts again with every op time scaled by each of
+# these in turn: its path turns on near-ties of cost per byte freed. ResNet-50 at batch 768
+# (streamed pairs, XLA batch norm), planned under 12207.5 MiB with the step calibrated to
+# 327.6908 ms, fits at 12152 MiB; calibrated to 327.69 ms, it misses by 1414 MiB.
+_RESTART_SCALES = (0.995, 1.005, 0.99, 1.01, 0.98, 1.02)
+
+
 def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
@@ -447,7 +454,8 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     The greedy choice starts twice, from no decisions and from SuperNeurons' (every tensor
     recomputed that is cheaper to make again than to copy back in); the plan that fits with the
     shorter predicted step wins. When no choice lowers the peak, the one raising it least is
-    taken. Raises BudgetError, saying by how much the budget is missed (the smallest shortfall
+    taken. If neither start fits, both start again with the op times scaled slightly
+    (`_RESTART_SCALES`), until a plan fits as predicted with the op times as they are. Raises BudgetError, saying by how much the budget is missed (the smallest shortfall
     of any round of either start), when no kept tensor alive at the peak is left to choose.
     `candidates` limits the choice to these tensors (default: every kept tensor of nonzero
     size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use
@@ -458,20 +466,44 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     dropped where the plan fits without them: they free too little to pay for two copies and
     the ops that order them.
     """
-    recomputing = _Recomputing({t.name: t for t in tensors}, recompute_ms or {},
-                               recompute_reads or {}, direct_reads or {}, transient_bytes or {})
-    starts = [[]]
-    cheap = _cheaper_than_a_swap_in(tensors, model, recomputing, candidates)
-    if cheap:
-        starts.append(cheap)
-    plans, errors = [], []
-    for recomputed in starts:
-        try:
-            plans.append(_greedy(op_ms, tensors, model, budget_bytes, persistent_bytes,
-                                 recomputing, candidates, prefetch_point, candidates_per_round,
-                                 recomputed))
-        except BudgetError as error:
-            errors.append(error)
+    def recomputing_at(scale: float) -> _Recomputing:
+        return _Recomputing({t.name: t for t in tensors},
+                            {name: ms * scale for name, ms in (recompute_ms or {}).items()},
+                            recompute_reads or {}, direct_reads or {}, transient_bytes or {})
+    recomputing = recomputing_at(1.0)
+
+    def greedy_plans(scale: float) -> tuple[list[MemoryDecisions], list[BudgetError]]:
+        """The plans the greedy choice finds from each start with the op times scaled, each
+        predicted with the op times as they are (and dropped if it then misses the budget)."""
+        scaled = recomputing_at(scale) if scale != 1.0 else recomputing
+        times = op_ms if scale == 1.0 else [ms * scale for ms in op_ms]
+        starts = [[]]
+        cheap = _cheaper_than_a_swap_in(tensors, model, scaled, candidates)
+        if cheap:
+            starts.append(cheap)
+        found, failed = [], []
+        for recomputed in starts:
+            try:
+                plan = _greedy(times, tensors, model, budget_bytes, persistent_bytes, scaled,
+                               candidates, prefetch_point, candidates_per_round, recomputed)
+            except BudgetError as error:
+                failed.append(error)
+                continue
+            if scale != 1.0:
+                made = recomputing.decisions([d.tensor for d in plan.recomputes],
+                                             {d.tensor for d in plan.swaps})[0]
+                prediction = predict(op_ms, tensors, model, plan.swaps, persistent_bytes, made)
+                if prediction.peak_bytes > budget_bytes:
+                    continue
+                plan = MemoryDecisions(plan.swaps, tuple(made), prediction)
+            found.append(plan)
+        return found, failed
+
+    plans, errors = greedy_plans(1.0)
+    for scale in _RESTART_SCALES:
+        if plans:
+            break
+        plans = greedy_plans(scale)[0]  # its shortfalls are in scaled times: not reported
     if plans:
         best = min(plans, key=lambda plan: plan.prediction.step_ms)
         return _without_small_swaps(best, op_ms, tensors, model, budget_bytes, persistent_bytes,
