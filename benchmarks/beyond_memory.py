@@ -93,6 +93,15 @@ def _try(run):
         return None, "out of memory: " + " ".join(reason[-3:])[:400]
 
 
+def _plain_images_per_second(model, batch: int, shape, steps: int):
+    """TensorFlow's own training step's images per second at `batch`, or None and why it ran
+    out of memory."""
+    from tf_ucudnn.memory import keras_training_step
+
+    return _try(lambda: _images_per_second(keras_training_step(model, batch), batch, shape,
+                                           steps))
+
+
 def _peak_bytes(step, batch: int, shape) -> Optional[int]:
     """The most GPU memory TensorFlow had in use during one step (None without a GPU)."""
     if not tf.config.list_logical_devices("GPU"):
@@ -107,11 +116,8 @@ def _peak_bytes(step, batch: int, shape) -> Optional[int]:
 
 def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
     """Doubling, then halving the gap: the largest batch (multiple of `start`) that trains."""
-    from tf_ucudnn.memory import keras_training_step
-
     def trains(batch):
-        return _try(lambda: _images_per_second(keras_training_step(model, batch), batch, shape,
-                                               steps))[0]
+        return _plain_images_per_second(model, batch, shape, steps)[0]
 
     good, bad, rates = None, None, {}
     batch = start
@@ -277,11 +283,8 @@ def _tensorflow_child(args) -> dict:
     name, batch = args.tensorflow_child
     setting = _child_setup(args)
     tf.keras.utils.set_random_seed(0)
-    from tf_ucudnn.memory import keras_training_step
-
     model = _load_model(name, name == "smoke")
-    rate, error = _try(lambda: _images_per_second(keras_training_step(model, int(batch)),
-                                                  int(batch), model.input_shape[1:], args.steps))
+    rate, error = _plain_images_per_second(model, int(batch), model.input_shape[1:], args.steps)
     return {"batch": int(batch), **setting, "img_per_s": rate, "error": error}
 
 

@@ -455,8 +455,10 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
     recomputed that is cheaper to make again than to copy back in); the plan that fits with the
     shorter predicted step wins. When no choice lowers the peak, the one raising it least is
     taken. If neither start fits, both start again with the op times scaled slightly
-    (`_RESTART_SCALES`), until a plan fits as predicted with the op times as they are. Raises BudgetError, saying by how much the budget is missed (the smallest shortfall
-    of any round of either start), when no kept tensor alive at the peak is left to choose.
+    (`_RESTART_SCALES`), until a plan fits as predicted with the op times as they are. Raises
+    BudgetError, saying by how much the budget is missed (the smallest shortfall of any round
+    of either start at the op times as they are), when no kept tensor alive at the peak is left
+    to choose.
     `candidates` limits the choice to these tensors (default: every kept tensor of nonzero
     size); `prefetch_point(tensor, index)` moves a proposed prefetch op to one the graph can use
     (or before the tensor's last forward use, if there is none).

@@ -31,8 +31,9 @@ convolutions and their projection shortcuts): planned on the CPU for ResNet-50 a
 12 GiB, streaming every pair in 4 micro-batches lowered the lowest peak a plan reached only from
 12543 to 12505 MiB, the narrowing pairs' slices and concatenations adding to what the widening
 ones save; streaming the widening ones alone in 8 fits 12 GiB (12843 MB predicted) and leaves
-11.2 GiB 95 MiB over. It composes with `tf_ucudnn.batch_norm_fusion.fused_batch_norm`: open inside it, the
-batch normalizations not paired keep the fused kernel it chose (Keras's ops without it).
+11.2 GiB 95 MiB over. It composes with `tf_ucudnn.batch_norm_fusion.fused_batch_norm`: open
+inside it, the batch normalizations not paired keep the fused kernel it chose (Keras's ops
+without it).
 """
 
 from __future__ import annotations
@@ -260,8 +261,9 @@ def _streamed_call(self, inputs, training=None, mask=None, *, previous, conv, re
 @contextlib.contextmanager
 def streamed_conv_batch_norm(model: keras.Model,
                              micro_batches: int) -> Iterator[list[UnfusedLayer]]:
-    """While open, each pair `conv_batch_norm_pairs` finds trains as `conv_batch_norm`, its backward in `micro_batches`; yields the Conv2D and
-    BatchNormalization layers not paired, with the reason. Open it inside `fused_batch_norm`
+    """While open, each pair `conv_batch_norm_pairs` finds trains as `conv_batch_norm`, its
+    backward in `micro_batches`; yields the Conv2D and BatchNormalization layers not paired,
+    with the reason. Open it inside `fused_batch_norm`
     to give the others a fused kernel. A paired layer called otherwise (inference, a mask,
     unknown shapes) calls what it called before."""
     if micro_batches < 1:
