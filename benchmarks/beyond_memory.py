@@ -281,11 +281,18 @@ def _child_setup(args) -> dict:
 def _tensorflow_child(args) -> dict:
     """TensorFlow's own step at one batch in this process (a child), capped as the trials are."""
     name, batch = args.tensorflow_child
+    batch = int(batch)
     setting = _child_setup(args)
     tf.keras.utils.set_random_seed(0)
     model = _load_model(name, name == "smoke")
-    rate, error = _plain_images_per_second(model, int(batch), model.input_shape[1:], args.steps)
-    return {"batch": int(batch), **setting, "img_per_s": rate, "error": error}
+    shape = model.input_shape[1:]
+    rate, error = _plain_images_per_second(model, batch, shape, args.steps)
+    # Whether this allocator lets TensorFlow train a larger batch than the capped search found:
+    # if so, that batch is the one the 4x compares with.
+    larger = batch + args.start_batch
+    larger_rate, larger_error = _plain_images_per_second(model, larger, shape, args.steps)
+    return {"batch": batch, **setting, "img_per_s": rate, "error": error,
+            "next_batch": {"batch": larger, "img_per_s": larger_rate, "error": larger_error}}
 
 
 def _trial_child(args) -> dict:
@@ -448,6 +455,7 @@ def main():
         if batch and trial_environment:  # TensorFlow's own step, capped as the trials are
             baseline, failure, _ = _in_child(
                 ["--tensorflow-child", name, str(batch), "--steps", str(args.steps),
+                 "--start-batch", str(args.start_batch),
                  "--trial-allocator", args.trial_allocator],
                 args.memory_limit_gib, trial_environment)
             entry["tensorflow_as_trials_run"] = baseline or {"batch": batch, "error": failure}

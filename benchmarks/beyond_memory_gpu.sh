@@ -3,6 +3,7 @@
 # ResNet-152 side by side in one run of beyond_memory.py, which outlasts one 10-minute call of the
 # device tool, so it runs in the background on the machine and later calls wait for it:
 #   bash benchmarks/beyond_memory_gpu.sh start [beyond_memory.py options ...]
+#   (MODELS="vgg16 resnet152" bash ... start ...   for some of the models)
 #   bash benchmarks/beyond_memory_gpu.sh wait SECONDS    (repeat until it says "finished")
 # Each call copies the log and the results so far to $OUT. The run's own directory is
 # /tmp/beyond_memory_run, which lives as long as the machine is held.
@@ -26,10 +27,13 @@ case ${1:-} in
     . .ci/gpu-env.sh > "$run/env.log" 2>&1
     # Copied, so later calls' fresh copies of the tree cannot change the running code.
     cp -r benchmarks tf_ucudnn "$run"/
+    # The pid is written from inside the new session: setsid forks, so $! would be setsid's
+    # own, gone while the run goes on.
     (cd "$run" && CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONPATH="$run:$PYTHONPATH" \
-      setsid nohup python3 benchmarks/beyond_memory.py --models resnet50 vgg16 resnet152 \
-        --memory-limit-gib 16 "$@" --out "$run/results.json" > "$run/log" 2>&1 &
-      echo $! > "$run/pid")
+      setsid nohup bash -c 'echo $$ > pid; exec python3 "$@"' bash \
+        benchmarks/beyond_memory.py --models ${MODELS:-resnet50 vgg16 resnet152} \
+        --memory-limit-gib 16 "$@" --out "$run/results.json" > "$run/log" 2>&1 &)
+    for _ in $(seq 50); do [ -s "$run/pid" ] && break; sleep 0.1; done
     echo "started pid $(cat "$run/pid")"
     ;;
   wait)
