@@ -20,7 +20,7 @@ times, and tells the share of the speed those settings give from the plan's (VGG
 steps, without the layout optimizer, ran 60% faster than TensorFlow's default step on the H100).
 With `--keras-fit-tries N`, Keras's `model.fit` is timed too, compiled with its defaults (XLA on
 a GPU, which the planned steps do not use but for batch normalization with `xla`), from
-TensorFlow's largest batch, each batch size in a child process under the same cap: on the H100
+TensorFlow's largest batch, each batch size in a child process under the same cap and allocator: on the H100
 it ran ResNet-50 at batch 192 2.5 times as fast as TensorFlow's default step.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 
@@ -139,23 +139,26 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
 
 
 def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
-               memory_limit_gib: float) -> dict:
+               memory_limit_gib: float, allocator: str) -> dict:
     """Keras's own training loop as a user runs it (`model.fit`, compiled with its defaults: XLA
     where the model allows): images per second at up to `tries` batch sizes, `batch` first,
     then `step` apart, up while they train or down until one does. Each batch is an XLA
     compilation of its own (a minute or so for ResNet-50 on the H100), and runs in a process of
-    its own under the same cap: under it, TensorFlow 2.21 has aborted inside XLA (a BFC
-    allocator check) rather than report running out of memory, which would end this run too."""
+    its own under the same cap, with the trials' `allocator`: under BFC's `memory_limit`,
+    TensorFlow 2.21 has aborted inside XLA (an allocator check) rather than report running out
+    of memory, which would end this run too."""
     trials, failures, size = {}, {}, batch
     while len(trials) < tries and size > 0 and size not in trials:
-        result, failure, _ = _in_child(["--keras-fit-child", name, str(size), str(steps)],
-                                       memory_limit_gib)
+        result, failure, _ = _in_child(
+            ["--keras-fit-child", name, str(size), str(steps), "--trial-allocator", allocator],
+            memory_limit_gib, {"TF_GPU_ALLOCATOR": allocator} if allocator != "bfc" else {})
         trials[size] = result.get("img_per_s")
         if trials[size] is None:
             failures[size] = result.get("error") or failure
         size += step if trials[size] else -step
     largest = max((b for b, r in trials.items() if r), default=None)
-    return {"largest_batch_tried": largest, "img_per_s": trials.get(largest),
+    return {"allocator": allocator, "largest_batch_tried": largest,
+            "img_per_s": trials.get(largest),
             "img_per_s_by_batch": trials, "failures": failures}
 
 
@@ -374,8 +377,9 @@ def main():
     args = parser.parse_args()
     if args.keras_fit_child:
         name, batch, steps = args.keras_fit_child
-        _cap_gpu_memory(args.memory_limit_gib)
-        print(json.dumps(_keras_fit_child(name, int(batch), int(steps), name == "smoke")))
+        setting = _child_setup(args)
+        print(json.dumps({**_keras_fit_child(name, int(batch), int(steps), name == "smoke"),
+                          **setting}))
         return
     if args.trial_child:
         print(json.dumps(_trial_child(args)))
@@ -446,7 +450,8 @@ def main():
             print(name, "as planned", as_planned_batch, as_planned_rate, flush=True)
         if batch and args.keras_fit_tries:
             entry["keras_fit"] = _keras_fit(name, batch, args.start_batch, args.steps,
-                                            args.keras_fit_tries, args.memory_limit_gib)
+                                            args.keras_fit_tries, args.memory_limit_gib,
+                                            args.trial_allocator)
             print(name, "Keras fit", json.dumps(entry["keras_fit"])[:300], flush=True)
         entry["budget_scale"] = scale
         entry["calibration_img_per_s"] = calibration_rate
