@@ -22,6 +22,9 @@ With `--keras-fit-tries N`, Keras's `model.fit` is timed too, compiled with its 
 a GPU, which the planned steps do not use but for batch normalization with `xla`), from
 TensorFlow's largest batch, each batch size in a child process under the same cap and allocator: on the H100
 it ran ResNet-50 at batch 192 2.5 times as fast as TensorFlow's default step.
+With `--keras-callback`, the batch and budget of the trial that trained are trained again the
+way a Keras user would, with `model.fit` and `tf_ucudnn.MicroBatchCallback` (its convolutions
+left to TensorFlow, as in the trials), in a child process under the same cap.
 Without a GPU, `--smoke` runs the same steps on a small model on the CPU, to check the script.
 
 Under the cap, TensorFlow's BFC allocator can fail with enough memory free but split into chunks
@@ -321,6 +324,58 @@ def _trial_child(args) -> dict:
                               args.cut), **setting}
 
 
+def _keras_callback_child(args) -> dict:
+    """tf_ucudnn through Keras: `model.fit` with `MicroBatchCallback` under a memory budget, in
+    this process (a child), capped as the trials are: the first epoch plans (at its first
+    step) and the second is timed."""
+    import keras
+
+    import tf_ucudnn
+    from tf_ucudnn.memory import DeviceModel
+
+    name, batch, budget = args.keras_callback_child
+    batch = int(batch)
+    setting = _child_setup(args)
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+    keras.utils.set_random_seed(0)
+    model = _load_model(name, name == "smoke")
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = tf.random.stateless_uniform([batch, *model.input_shape[1:]], seed=[1, 2])
+    data = tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
+    callback = tf_ucudnn.MicroBatchCallback(
+        None, memory_budget=int(budget),
+        device_model=DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
+        micro_batches=args.micro_batches, whole_batches=args.cut is None,
+        fuse_batch_norm=args.fuse_batch_norm or False,
+        stream_conv_batch_norm=args.stream_conv_bn, verbose=0)
+    epochs = []
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            epochs.append(time.perf_counter() - self.start)
+
+    def timed():
+        model.fit(data, epochs=2, steps_per_epoch=args.steps, verbose=0, shuffle=False,
+                  callbacks=[callback, EpochTimer()])
+        return batch * args.steps / epochs[-1]
+    rate, error = _try(timed)
+    entry = {"batch": batch, "budget_bytes": int(budget), **setting, "epoch_seconds": epochs,
+             "img_per_s": rate, "error": error}
+    if callback.memory_plan is not None:
+        plan = callback.memory_plan
+        entry.update(swaps=len(plan.plan.swaps), recomputes=len(plan.plan.recomputes),
+                     micro_batched_until=plan.micro_batched_until,
+                     micro_batches=plan.micro_batches,
+                     predicted=plan.plan.decisions.prediction.to_json())
+    if rate and tf.config.list_logical_devices("GPU"):
+        entry["peak_bytes"] = tf.config.experimental.get_memory_info("GPU:0")["peak"]
+    return entry
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "resnet152"])
@@ -373,6 +428,11 @@ def main():
                         help=argparse.SUPPRESS)  # one tf_ucudnn trial, in a child
     parser.add_argument("--tensorflow-child", nargs=2, metavar=("MODEL", "BATCH"),
                         help=argparse.SUPPRESS)  # TensorFlow's step as the trials run, a child
+    parser.add_argument("--keras-callback", action="store_true",
+                        help="also train the batch and budget of the trial that trained with "
+                        "model.fit and tf_ucudnn.MicroBatchCallback, in a child process")
+    parser.add_argument("--keras-callback-child", nargs=3, metavar=("MODEL", "BATCH", "BUDGET"),
+                        help=argparse.SUPPRESS)  # one --keras-callback run, in a child
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.keras_fit_child:
@@ -386,6 +446,9 @@ def main():
         return
     if args.tensorflow_child:
         print(json.dumps(_tensorflow_child(args)))
+        return
+    if args.keras_callback_child:
+        print(json.dumps(_keras_callback_child(args)))
         return
     # The first step's convolution autotuning would hold uncounted copies of their outputs
     # (tf_ucudnn.memory.apply_memory_plan); TensorFlow's own steps run the same way.
@@ -468,6 +531,19 @@ def main():
                 entry["tensorflow_as_trials_run"])[:300], flush=True)
         trials = [(factor, fraction) for factor in args.factors
                   for fraction in args.budget_fractions] if batch else []
+        plan_options = [
+            "--link-gb-s", repr(device_model.device_to_host / 1e9),
+            repr(device_model.host_to_device / 1e9), "--steps", str(args.steps),
+            "--stream-conv-bn", str(args.stream_conv_bn),
+            "--micro-batches", *map(str, args.micro_batches),
+            *(["--synchronous-steps"] if args.synchronous_steps else []),
+            *(["--cut", args.cut] if args.cut else []),
+            "--trial-allocator", args.trial_allocator,
+            *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])]
+        # At log level 0 the allocator maps its memory when it runs out.
+        plan_environment = {
+            "TF_CPP_MIN_LOG_LEVEL": "0", **trial_environment,
+            **({"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else {})}
         for factor, fraction in trials:
             big_batch = int(factor * batch) // args.start_batch * args.start_batch
             # Op times calibrated by TensorFlow's own step (with batch normalization as the
@@ -476,18 +552,7 @@ def main():
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
             trial, failure, log = _in_child(
                 ["--trial-child", name, str(big_batch), str(budget), repr(step_ms),
-                 "--link-gb-s", repr(device_model.device_to_host / 1e9),
-                 repr(device_model.host_to_device / 1e9), "--steps", str(args.steps),
-                 "--stream-conv-bn", str(args.stream_conv_bn),
-                 "--micro-batches", *map(str, args.micro_batches),
-                 *(["--synchronous-steps"] if args.synchronous_steps else []),
-                 *(["--cut", args.cut] if args.cut else []),
-                 "--trial-allocator", args.trial_allocator,
-                 *(["--fuse-batch-norm", args.fuse_batch_norm] if args.fuse_batch_norm else [])],
-                args.memory_limit_gib,
-                # At log level 0 the allocator maps its memory when it runs out.
-                {"TF_CPP_MIN_LOG_LEVEL": "0", **trial_environment,
-                 **({"TF_CUDNN_USE_AUTOTUNE": "0"} if args.plans_without_autotuning else {})})
+                 *plan_options], args.memory_limit_gib, plan_environment)
             trial = trial or {"batch": big_batch, "error": failure}
             # The allocator's first failure, which may be an autotuner's workspace it went
             # without: too little memory, or memory too split.
@@ -507,6 +572,19 @@ def main():
             _save(results, name, entry, args.out)  # each trial, lest a time limit lose them all
             if trial.get("img_per_s"):
                 break
+        trained = [trial for trial in entry["tf_ucudnn"] if trial.get("img_per_s")]
+        if trained and args.keras_callback:
+            budget = int(args.memory_limit_gib * trained[0]["budget_fraction"] * scale
+                         * (1 << 30))
+            fit, failure, _ = _in_child(
+                ["--keras-callback-child", name, str(trained[0]["batch"]), str(budget),
+                 *plan_options], args.memory_limit_gib, plan_environment)
+            entry["keras_callback"] = fit or {"batch": trained[0]["batch"], "error": failure}
+            if entry["keras_callback"].get("img_per_s"):
+                entry["keras_callback"]["vs_tensorflow"] = \
+                    entry["keras_callback"]["img_per_s"] / rate
+            print(name, "Keras fit with the callback", json.dumps(entry["keras_callback"])[:300],
+                  flush=True)
         print(name, "TensorFlow", batch, rate, flush=True)
         _save(results, name, entry, args.out)
 

@@ -173,6 +173,40 @@ def test_with_a_memory_budget_training_follows_the_memory_plan():
     assert "train_step" not in vars(planned)
 
 
+def test_with_a_memory_budget_no_step_runs_unplanned(monkeypatch):
+    """Beyond the device's memory the unplanned step would not fit, so even the first batch
+    trains with the planned step: Keras's own train function is never called."""
+    from training_steps import SLOW_LINK
+
+    own_calls = []
+    make_own = keras.Model.make_train_function
+
+    def counted_make_train_function(model, force=False):
+        if model.train_function is not None and not force:
+            return model.train_function
+        make_own(model, force)
+        own = model.train_function
+
+        def train_function(iterator):
+            own_calls.append(1)
+            return own(iterator)
+        model.train_function = train_function
+        return train_function
+    monkeypatch.setattr(keras.Model, "make_train_function", counted_make_train_function)
+
+    plain, plain_history = _fit(_vgg_style, [])
+    assert len(own_calls) == 9  # the spy sees plain training
+    own_calls.clear()
+    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+                                  device_model=SLOW_LINK, verbose=0)
+    planned, history = _fit(_vgg_style, [callback])
+    assert own_calls == []
+    assert callback.report.layers[0].layer.input_shape == (16, 12, 12, 3)
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_the_memory_plan_counts_the_workspace_of_each_planned_kernel():
     from training_steps import SLOW_LINK
 
@@ -250,6 +284,54 @@ def test_asked_to_the_callback_trains_first_layers_with_a_batch_normalization_in
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert "call" not in vars(planned) and "train_step" not in vars(planned)
+
+
+def test_without_a_workspace_limit_convolutions_stay_tensorflows_under_a_memory_budget():
+    from training_steps import SLOW_LINK
+
+    probe = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK, verbose=0)
+    _fit(_vgg_style, [probe], epochs=1)
+    budget = int(probe.report.memory.decisions.prediction.peak_bytes * 0.9)
+    plain, plain_history = _fit(_vgg_style, [])
+    callback = MicroBatchCallback(None, memory_budget=budget, device_model=SLOW_LINK, verbose=0)
+    planned, history = _fit(_vgg_style, [callback])
+    report = callback.report
+    assert not report.layers
+    assert [(item.node, item.reason) for item in report.left_alone] == [
+        (layer.path, "workspace_limit=None: TensorFlow's own convolution")
+        for layer in planned.layers if "conv" in layer.name]
+    assert report.memory.decisions.prediction.peak_bytes <= budget
+    # The peak is inside TensorFlow's transposed convolution, which no swap lowers.
+    assert callback.memory_plan.passed_over[0].startswith("whole batches:")
+    assert callback.memory_plan.micro_batched_until.startswith("max_pooling2d")
+    assert not any(op.type.startswith("Ucudnn") for op in report.memory.liveness.ops)
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_streamed_convolutions_with_their_batch_normalization_train_to_the_same_weights():
+    from training_steps import SLOW_LINK
+
+    plain, plain_history = _fit(_stem_style, [])
+    callback = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK,
+                                  stream_conv_batch_norm=4, verbose=0)
+    planned, history = _fit(_stem_style, [callback])
+    first, second = [layer for layer in planned.layers if "conv" in layer.name]
+    assert [(u.layer, u.reason) for u in callback.unstreamed] == [
+        (second.path, "activation relu between convolution and normalization")]
+    # The stem's gradients in 4 micro-batches, the other convolution's whole.
+    assert sum(op.type == "Conv2DBackpropFilter"
+               for op in callback.report.memory.liveness.ops) == 4 + 1
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert all("call" not in vars(layer) for layer in planned.layers)
+
+
+def test_streamed_pairs_need_tensorflows_convolutions():
+    with pytest.raises(ValueError, match="needs workspace_limit=None, not '64MiB'"):
+        MicroBatchCallback("64MiB", stream_conv_batch_norm=4)
 
 
 def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():

@@ -7,6 +7,11 @@ every layer for that shape, switches the layers' `convolution_op` to tf_ucudnn's
 plans, and has Keras build its train, test and predict functions again. An input of another shape
 (a last, partial batch) runs TensorFlow's own op. When training ends the layers get their own
 convolution back, so the model is plain again for whatever follows.
+
+Under a memory budget the first step may not fit as it is, so none runs unplanned: the first call
+of the train function takes the first batch from the data, traces the step at its shape (each
+convolution layer notes its input's shape as it is traced), plans the layers and the step's
+memory, and trains that batch with the planned step.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from tf_ucudnn.graph.conv_layers import (
 from tf_ucudnn.graph.rewrite import LeftAlone, Planner, RewriteReport, RewrittenLayer
 from tf_ucudnn.memory import DeviceModel, KerasStepPlan, plan_keras_step
 from tf_ucudnn.memory.microbatched_prefix import micro_batched_calls
+from tf_ucudnn.memory.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.plan import LayerPlan
 from tf_ucudnn.planner import DEFAULT_DATABASE, MIB, DatabasePlanner, parse_bytes
 
@@ -43,6 +49,7 @@ _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Con
 class _PatchedLayer:
     layer: keras.layers.Layer
     observed_shape: tf.Variable  # the input shape of the layer's last call, written by the step
+    traced_shape: Optional[tuple] = None  # the input's static shape where a trace knew it
     conv_layer: Optional[ConvLayer] = None
     plan: Optional[LayerPlan] = None
 
@@ -57,7 +64,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
     """Trains the model's Conv2D/Conv3D layers as micro-batched cuDNN convolutions.
 
     Args:
-      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
+      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB";
+        None leaves every convolution to TensorFlow (for a memory budget alone).
       planner: gives each layer its plan (or a reason to leave it alone); by default a
         `DatabasePlanner` over `database`, which on a GPU measures what it lacks.
       database: the profile database file of the default planner.
@@ -80,6 +88,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         same results, one kernel each way, and on the GPU a faster step (ResNet-50 on an H100 with
         cuDNN's: 1604.8 img/s against 818.1). The layers it cannot fuse are listed in
         `unfused_batch_norm` with the reason.
+      stream_conv_batch_norm: a count of micro-batches, 0 for none: each convolution and the
+        batch normalization reading it train as one op whose backward runs in that many
+        micro-batches (`tf_ucudnn.memory.streamed_conv_bn`), which lowers the backward pass's
+        peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
+        are TensorFlow's convolutions, so this needs `workspace_limit=None`.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
@@ -91,10 +104,15 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  *, database: str = DEFAULT_DATABASE, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
-                 fuse_batch_norm: Union[bool, str] = False,
+                 fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
                  verbose: int = 1):
         super().__init__()
-        self.workspace_limit_bytes = parse_bytes(workspace_limit)
+        if stream_conv_batch_norm and workspace_limit is not None:
+            raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
+                             f"workspace_limit=None, not {workspace_limit!r}: the streamed pairs' "
+                             f"gradients are TensorFlow's convolutions, not planned ones")
+        self.workspace_limit_bytes = (None if workspace_limit is None else
+                                      parse_bytes(workspace_limit))
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self._device_model = device_model
         self.micro_batches = tuple(micro_batches)
@@ -109,7 +127,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._jit_compile = None
         self.fuse_batch_norm = kernel_name(fuse_batch_norm)  # None, or the kernel's name
         self.unfused_batch_norm = []
-        self._fusion: Optional[contextlib.ExitStack] = None
+        self.stream_conv_batch_norm = stream_conv_batch_norm
+        self.unstreamed = []
+        self._layer_switches: Optional[contextlib.ExitStack] = None
 
     # Keras hooks.
 
@@ -118,6 +138,10 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._patched = []
         left_alone = []
         for layer in _convolution_layers(self.model):
+            if self.workspace_limit_bytes is None:
+                left_alone.append(LeftAlone(layer.path, "", "workspace_limit=None: "
+                                            "TensorFlow's own convolution"))
+                continue
             try:
                 check_keras_convolution(layer)
             except UnsupportedConvolution as error:
@@ -130,26 +154,32 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._left_alone_before_planning = left_alone
         for patched in self._patched:
             self._switch(patched.layer, self._recording_op(patched))
-        if self.memory_budget_bytes is not None:
-            self._record_batch()
+        if self.memory_budget_bytes is not None and self.model.steps_per_execution != 1:
+            raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
+                             f"compile the model with steps_per_execution=1, not "
+                             f"{self.model.steps_per_execution}")
+        self._layer_switches = contextlib.ExitStack()
         if self.fuse_batch_norm:
-            self._fusion = contextlib.ExitStack()
-            self.unfused_batch_norm = self._fusion.enter_context(
+            self.unfused_batch_norm = self._layer_switches.enter_context(
                 fused_batch_norm(self.model, self.fuse_batch_norm))
-        if self._patched and self.model.jit_compile:
-            # XLA cannot compile tf_ucudnn's ops, so it is off from the first step on (sparing a
-            # compilation for one step); the model's own setting comes back at the end.
+        if self.stream_conv_batch_norm:
+            self.unstreamed = self._layer_switches.enter_context(
+                streamed_conv_batch_norm(self.model, self.stream_conv_batch_norm))
+        if (self._patched or self.memory_budget_bytes is not None) and self.model.jit_compile:
+            # XLA cannot compile tf_ucudnn's ops, and the memory-planned step runs without it,
+            # so it is off from the first step on (sparing a compilation for one step); the
+            # model's own setting comes back at the end.
             self._jit_compile = self.model.jit_compile
             self.model.jit_compile = False
         self._retrace()
+        if self.memory_budget_bytes is not None:
+            self.model.train_function = self._planning_train_function
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.report is None and (self._patched or self.memory_budget_bytes is not None):
+        if self.report is None and self._patched:
             try:
-                self._plan()
+                self._plan(lambda patched: patched.observed_shape.numpy().tolist())
                 self._retrace()
-                if self.memory_budget_bytes is not None:
-                    self._plan_memory()
             except BaseException:
                 self.on_train_end()  # Keras skips it when training stops on an error
                 raise
@@ -162,18 +192,20 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if self._jit_compile is not None:
             self.model.jit_compile = self._jit_compile
             self._jit_compile = None
-        if self._fusion is not None:
-            self._fusion.close()
-            self._fusion = None
+        if self._layer_switches is not None:
+            self._layer_switches.close()
+            self._layer_switches = None
         self._patched = []
         self._retrace()
 
     # Planning.
 
-    def _plan(self) -> None:
+    def _plan(self, input_shape) -> None:
+        """Plans each patched layer for `input_shape(patched)`, its input's shape as a step saw
+        it (zeros or None where no step called the layer)."""
         report = RewriteReport(left_alone=list(self._left_alone_before_planning))
         planner, closing = self._planner, None
-        if planner is None:
+        if planner is None and self._patched:
             try:
                 planner = closing = DatabasePlanner.open(self.workspace_limit_bytes,
                                                          self._database, self._profiles)
@@ -181,8 +213,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 planner = _leave_alone_because(f"no planner: {error}")
         try:
             for patched in self._patched:
-                shape = patched.observed_shape.numpy().tolist()
-                if not all(shape):
+                shape = input_shape(patched)
+                if not shape or not all(shape):
                     report.left_alone.append(LeftAlone(
                         patched.layer.path, "", "not called by the first training step"))
                     continue
@@ -205,30 +237,30 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     # Memory.
 
-    def _record_batch(self) -> None:
-        """Has the train step record its data's batch size (Keras traces it unknown)."""
-        if self.model.steps_per_execution != 1:
-            raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
-                             f"compile the model with steps_per_execution=1, not "
-                             f"{self.model.steps_per_execution}")
-        own_step = type(self.model).train_step.__get__(self.model)
-        self._observed_batch = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                           name="ucudnn_observed_batch")
-        self._data_spec = None
+    def _planning_train_function(self, iterator):
+        """The first step under a memory budget: plans at the first batch's shape, then trains
+        that batch with the planned step, which later calls run too."""
+        next_data = iterator.get_next_as_optional()
+        if not next_data.has_value():
+            raise StopIteration
+        data = next_data.get_value()
+        try:
+            specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), data)
+            # Traced, not run: each convolution layer notes its input's shape.
+            tf.function(self.model.train_step).get_concrete_function(specs)
+            self._plan(lambda patched: patched.traced_shape)
+            self._retrace()
+            planned_step = self._plan_memory(specs)
+        except BaseException:
+            self.on_train_end()  # Keras skips it when training stops on an error
+            raise
+        self._guard_train_function()
+        return planned_step(data)
 
-        def train_step(data):
-            self._data_spec = tf.nest.map_structure(
-                lambda t: tf.TensorSpec(t.shape, t.dtype), data)
-            batch = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int64)[0]
-            with tf.control_dependencies([self._observed_batch.assign(batch)]):
-                return own_step(data)
-        self.model.__dict__["train_step"] = train_step
-
-    def _plan_memory(self) -> None:
-        self.model.__dict__.pop("train_step", None)
-        batch = int(self._observed_batch.numpy())
-        specs = tf.nest.map_structure(
-            lambda spec: tf.TensorSpec([batch, *spec.shape[1:]], spec.dtype), self._data_spec)
+    def _plan_memory(self, specs):
+        """Plans the step's memory for data of `specs`, makes the planned step Keras's train
+        function, and returns what trains one batch with it."""
+        batch = tf.nest.flatten(specs)[0].shape[0]
         own_step = tf.function(self.model.train_step)
 
         def trace(layer, count):
@@ -248,22 +280,26 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 print(f"  layers up to {self.memory_plan.micro_batched_until} run in "
                       f"{self.memory_plan.micro_batches} micro-batches", flush=True)
 
+        def train_one(data):
+            if tf.nest.flatten(data)[0].shape[0] == batch:
+                return step(*tf.nest.flatten(data))
+            return own_step(data)  # another batch size (a last, partial one): no memory plan
+
         def train_function(iterator):
             next_data = iterator.get_next_as_optional()
             if not next_data.has_value():
                 raise StopIteration
-            data = next_data.get_value()
-            if tf.nest.flatten(data)[0].shape[0] == batch:
-                return step(*tf.nest.flatten(data))
-            return own_step(data)  # another batch size (a last, partial one): no memory plan
+            return train_one(next_data.get_value())
         self.model.train_function = train_function
+        return train_one
 
     def summary(self) -> str:
         if self.report is None:
-            return "tf_ucudnn: no plans yet (they are made after the first training step)"
-        lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched "
-                 f"within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel, "
-                 f"{len(self.report.left_alone)} left as they are"
+            return "tf_ucudnn: no plans yet (they are made at the first training step)"
+        within = ("" if self.workspace_limit_bytes is None else
+                  f" within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel")
+        lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched"
+                 f"{within}, {len(self.report.left_alone)} left as they are"
                  + ("; XLA compilation turned off while they train" if self._jit_compile else "")]
         lines += self.report.to_text().splitlines()[1:]
         if self.fuse_batch_norm:
@@ -271,6 +307,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
                          f"({self.fuse_batch_norm}); "
                          f"{len(self.unfused_batch_norm)} layer(s) left unfused")
             lines += [f"    {u.layer}: {u.reason}" for u in self.unfused_batch_norm]
+        if self.stream_conv_batch_norm:
+            lines.append(f"  convolutions trained with their batch normalization, backward in "
+                         f"{self.stream_conv_batch_norm} micro-batches; "
+                         f"{len(self.unstreamed)} layer(s) not paired")
+            lines += [f"    {u.layer}: {u.reason}" for u in self.unstreamed]
         return "\n".join(lines)
 
     # Switching a layer's convolution.
@@ -288,6 +329,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         own_op = type(patched.layer).convolution_op.__get__(patched.layer)
 
         def convolution_op(inputs, kernel):
+            if inputs.shape.is_fully_defined():
+                patched.traced_shape = tuple(inputs.shape)
             record = patched.observed_shape.assign(tf.shape(inputs, out_type=tf.int64))
             with tf.control_dependencies([record]):
                 return own_op(inputs, kernel)
