@@ -83,13 +83,15 @@ def _images_per_second(step, batch: int, shape, steps: int, synchronous: bool = 
 def _try(run):
     """run()'s result, or None and why it ran out of memory. TensorFlow reports some
     out-of-memory failures as other errors (a convolution whose every algorithm failed to get
-    its workspace is a NotFoundError), so the message decides."""
+    its workspace is a NotFoundError, or an internal error that cuDNN "failed to allocate the
+    scratch space"), so the message decides."""
     try:
         return run(), None
     except tf.errors.OpError as error:
         message = str(error)
-        if not isinstance(error, tf.errors.ResourceExhaustedError) and \
-                "RESOURCE_EXHAUSTED" not in message and "Out of memory" not in message:
+        if not isinstance(error, tf.errors.ResourceExhaustedError) and not any(
+                sign in message for sign in ("RESOURCE_EXHAUSTED", "Out of memory",
+                                             "failed to allocate the scratch space")):
             raise
         reason = [line.strip() for line in message.splitlines()
                   if line.strip() and not line.startswith("  ") and "defined at" not in line]
