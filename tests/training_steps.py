@@ -67,3 +67,44 @@ def pooled_conv_model():
     h = layers.Conv2D(16, 3, padding="same", activation="relu", name="c4")(h)
     h = layers.GlobalAveragePooling2D()(h)
     return tf.keras.Model(inputs, layers.Dense(4)(h))
+
+
+def assert_anchors_cannot_merge_into_a_cycle(planned):
+    """No op that waits, through a swap-in or recomputation, for the op that starts it (its
+    anchor) shares a data input with that anchor: a backend merging the two (oneDNN fuses a
+    filter gradient with the bias gradient beside it) would close a cycle."""
+    from tf_ucudnn.memory.recompute import CLONE
+
+    nodes = {node.name: node for node in planned.get_concrete_function().graph.as_graph_def().node}
+
+    def source(text):
+        return text.lstrip("^").split(":")[0]
+
+    consumers: dict[str, list[str]] = {}
+    for node in nodes.values():
+        for text in node.input:
+            consumers.setdefault(source(text), []).append(node.name)
+
+    def data_inputs(node):
+        return {text if ":" in text else f"{text}:0" for text in node.input
+                if not text.startswith("^") and nodes[source(text)].op != "Const"}
+
+    def waiting_for(start):
+        seen, frontier = {start}, [start]
+        while frontier:
+            for name in consumers.get(frontier.pop(), ()):
+                if name not in seen:
+                    seen.add(name)
+                    frontier.append(name)
+        return seen
+
+    checked = 0
+    for node in nodes.values():
+        if CLONE not in node.name and not node.name.endswith("/held"):
+            continue
+        for anchor in (nodes[text[1:]] for text in node.input if text.startswith("^")):
+            merging = [name for name in waiting_for(node.name)
+                       if name != anchor.name and data_inputs(nodes[name]) & data_inputs(anchor)]
+            assert not merging, f"{anchor.name} shares an input with {merging[:3]}, which wait for it"
+            checked += 1
+    assert checked, "the plan has no anchored swap-in or recomputation"

@@ -7,7 +7,8 @@ import tensorflow as tf
 
 from tf_ucudnn.memory.performance_model import BudgetError
 from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
-from training_steps import SLOW_LINK, assert_same_step, conv_training_step
+from training_steps import (SLOW_LINK, assert_anchors_cannot_merge_into_a_cycle, assert_same_step,
+                            conv_training_step)
 
 
 def test_a_budget_below_the_peak_is_met_with_the_same_results():
@@ -23,6 +24,7 @@ def test_a_budget_below_the_peak_is_met_with_the_same_results():
     assert all(not swap.tensor.startswith("x:") for swap in plan.swaps)
     assert "memory plan for a" in plan.to_text()
     planned = apply_memory_plan(step, plan)
+    assert_anchors_cannot_merge_into_a_cycle(planned)
     assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
 
 
@@ -109,7 +111,8 @@ def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_result
         step, lambda producer, chain, ops: chain.direct_reads and "Conv2D" in {producer, *ops})
     operations = step.graph.get_operations()
     tensor, read = by_name[made], by_name[sorted(chain.direct_reads)[0]]
-    prefetch = max(read.last_forward_use, tensor.backward_consumers[0] - 2)
+    trigger = _unmergeable(operations, tensor.backward_consumers[0] - 1, tensor.backward_consumers)
+    prefetch = max(read.last_forward_use, trigger - 1)
     swap = SwapDecision(read.name, prefetch)
     recompute = RecomputeDecision(made, chain.cost_ms, (read.name,))
     decisions = MemoryDecisions((swap,), (recompute,), predict(
@@ -120,9 +123,9 @@ def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_result
                      if any(t.name == kept.name for t in operations[i].inputs))
     plan = MemoryPlan(1 << 40, report, decisions,
                       [Swap(read.name, readers(read), operations[prefetch].name)],
-                      [Recompute(made, readers(tensor),
-                                 operations[tensor.backward_consumers[0] - 1].name, chain.ops)])
+                      [Recompute(made, readers(tensor), operations[trigger].name, chain.ops)])
     planned = apply_memory_plan(step, plan)
+    assert_anchors_cannot_merge_into_a_cycle(planned)
     swap_in = f"{read.name.rsplit(':', 1)[0]}/ucudnn_swap_0/in"
     nodes = planned.get_concrete_function().graph.as_graph_def().node
     # (The planned function imports the graph under a scope of its own.)
@@ -144,7 +147,9 @@ def test_a_segment_recomputed_in_one_go_gives_the_same_results():
         assert producer in owner.chain
         assert all(r.chain == () and r.trigger is None
                    for r in plan.recomputes if r.tensor == decision.tensor)
-    assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
+    planned = apply_memory_plan(step, plan)
+    assert_anchors_cannot_merge_into_a_cycle(planned)
+    assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
 
 
 def test_a_step_with_xla_batch_norm_is_planned_with_the_same_results():
@@ -152,7 +157,9 @@ def test_a_step_with_xla_batch_norm_is_planned_with_the_same_results():
     peak = plan_step_memory(step, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
     plan = plan_step_memory(step, int(peak * 0.8), SLOW_LINK)
     assert plan.decisions.prediction.peak_bytes <= int(peak * 0.8)
-    assert_same_step(step, apply_memory_plan(step, plan), rtol=1e-5, atol=1e-6)
+    planned = apply_memory_plan(step, plan)
+    assert_anchors_cannot_merge_into_a_cycle(planned)
+    assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
 
 
 def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
@@ -171,13 +178,24 @@ def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
     decisions = MemoryDecisions((), (recompute,), predict(
         op_ms, report.tensors, SLOW_LINK, (), report.persistent_bytes, [recompute]))
     readers = tuple(operations[i].name for i in tensor.backward_consumers)
+    trigger = _unmergeable(operations, tensor.backward_consumers[0] - 1, tensor.backward_consumers)
     plan = MemoryPlan(1 << 40, report, decisions, [], [Recompute(
-        made, readers, operations[tensor.backward_consumers[0] - 1].name, chain.ops)])
+        made, readers, operations[trigger].name, chain.ops)])
     planned = apply_memory_plan(step, plan)
+    assert_anchors_cannot_merge_into_a_cycle(planned)
     nodes = planned.get_concrete_function().graph.as_graph_def().node
     assert any(CLONE in node.name and node.op == "PartitionedCall" and
                node.attr["_XlaMustCompile"].b for node in nodes)
     assert_same_step(step, planned, rtol=1e-5, atol=1e-6)
+
+
+def _unmergeable(operations, index: int, readers) -> int:
+    """The op at `index`, or the last before it that shares no input with the ops `readers`
+    (by index), so that no fusion merges the two (as the planner picks its anchors)."""
+    shared = {t.name for i in readers for t in operations[i].inputs}
+    while any(t.name in shared for t in operations[index].inputs):
+        index -= 1
+    return index
 
 
 def _a_recompute_chain(step, wanted):

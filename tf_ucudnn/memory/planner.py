@@ -159,6 +159,14 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
 
     readers_inputs: dict[tuple, set] = {}  # asked once per option per round: read once
     after_forward = _after_forward(operations, report, op_ms)
+    by_name = {t.name: t for t in report.tensors}
+    # The readers of what a swap-in or recomputation feeds: the tensor's own, and those of the
+    # tensors whose recomputation reads it (an anchor fused with one of these closes a cycle).
+    fed_readers = {t.name: set(t.backward_consumers) for t in report.tensors}
+    for name, chain in chains.items():
+        for read in chain.reads:
+            fed_readers[read] |= set(by_name[name].backward_consumers)
+    fed_readers = {name: tuple(sorted(readers)) for name, readers in fed_readers.items()}
 
     def anchored(index: int, consumers: tuple) -> int:
         """The op at `index`, or the last one before it fit to start a swap-in or recomputation
@@ -191,8 +199,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                             transient_bytes={name: chain.transient_bytes
                                              for name, chain in chains.items()},
                             candidates={t.name for t in report.kept()},
-                            prefetch_point=lambda t, i: anchored(i, t.backward_consumers))
-    by_name = {t.name: t for t in report.tensors}
+                            prefetch_point=lambda t, i: anchored(i, fed_readers[t.name]))
 
     position = {op.name: i for i, op in enumerate(operations)}
 
@@ -216,17 +223,20 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
              for decision in decisions.swaps
              for read, names in readers(decision.tensor).items()]
     made_along: dict[str, set] = {}  # a recomputation's ops for the tensors made on its way
+    along_readers: dict[str, set] = {}  # and the readers of what those feed
     for along in decisions.recomputes:
         if along.made_with is not None:
             made_along.setdefault(along.made_with, set()).update(
                 chains[along.tensor].ops, {operations[by_name[along.tensor].producer].name})
+            along_readers.setdefault(along.made_with, set()).update(fed_readers[along.tensor])
     recomputes = []
     for decision in decisions.recomputes:  # in the order they run: makers before made along
         tensor = by_name[decision.tensor]
         if decision.made_with is None:
             chain = set(chains[decision.tensor].ops) | made_along.get(decision.tensor, set())
-            trigger = operations[anchored(tensor.backward_consumers[0] - 1,
-                                          tensor.backward_consumers)].name
+            fed = tuple(sorted({*fed_readers[decision.tensor],
+                                *along_readers.get(decision.tensor, ())}))
+            trigger = operations[anchored(tensor.backward_consumers[0] - 1, fed)].name
             chain = tuple(sorted(chain, key=position.get))
         else:
             trigger, chain = None, ()
