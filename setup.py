@@ -9,6 +9,7 @@ in $CUDA_HOME / $CUDNN_HOME, the system paths, or the nvidia-* wheels that `tens
 installs. Set TF_UCUDNN_CPU_ONLY=1 to build the CPU kernels alone.
 """
 
+import ast
 import glob
 import os
 import shutil
@@ -21,12 +22,19 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COMMON_SOURCES = ["cc/ops/conv_ops.cc", "cc/ops/profile_ops.cc", "cc/ops/batch_norm_ops.cc",
-                  "cc/kernels/conv_geometry.cc", "cc/kernels/micro_batch_plan.cc",
-                  "cc/kernels/conv_cpu.cc", "cc/kernels/batch_norm_cpu.cc"]
-GPU_SOURCES = ["cc/kernels/conv_gpu.cc", "cc/kernels/profile_gpu.cc", "cc/kernels/cudnn_support.cc",
-               "cc/kernels/batch_norm_gpu.cc"]
-CUDA_SOURCES = ["cc/kernels/strided_copy.cu.cc"]
+
+
+def _source_lists():
+    """COMMON_SOURCES, GPU_SOURCES and CUDA_SOURCES from cc/sources.bzl, which BUILD loads too."""
+    lists = {}
+    with open(os.path.join(HERE, "cc", "sources.bzl")) as source:
+        for statement in ast.parse(source.read()).body:
+            if isinstance(statement, ast.Assign):
+                lists[statement.targets[0].id] = ast.literal_eval(statement.value)
+    return lists["COMMON_SOURCES"], lists["GPU_SOURCES"], lists["CUDA_SOURCES"]
+
+
+COMMON_SOURCES, GPU_SOURCES, CUDA_SOURCES = _source_lists()
 DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
 
 
@@ -37,7 +45,13 @@ def _tensorflow_flags():
         sys.exit("tf_ucudnn: TensorFlow must be importable while building, because the ops are "
                  "compiled against it. Install tensorflow first, then run "
                  "`pip install --no-build-isolation .`")
-    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+    # The XLA kernels include XLA's headers, which include two libraries TensorFlow ships under
+    # include/external, and link against libtensorflow_cc, which exports XLA's op registry.
+    external = os.path.join(tf.sysconfig.get_include(), "external")
+    compile_flags = [*tf.sysconfig.get_compile_flags(),
+                     f"-I{os.path.join(external, 'highwayhash')}",
+                     f"-I{os.path.join(external, 'farmhash_archive', 'src')}"]
+    return compile_flags, [*tf.sysconfig.get_link_flags(), "-l:libtensorflow_cc.so.2"]
 
 
 def _site_packages_dirs():

@@ -1,16 +1,20 @@
 """Training throughput of Keras models under `model.fit`, plain and with tf_ucudnn's callback, on
 synthetic data: images per second of the epochs after the first (which holds tracing, XLA
-compilation, and the callback's profiling and planning).
+compilation, and the callback's profiling and planning), the first epoch's seconds, and the
+device's peak memory over the whole run and over the later epochs alone.
 
 TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process, so each configuration is a run
-of this script, and `--combine` puts their results side by side:
+of this script, and `combine` puts their results side by side, each against the baseline
+(Keras's default step, which on a GPU XLA compiles):
 
     python benchmarks/keras_training.py run --label tf_default --out a.json
     TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64 python benchmarks/keras_training.py run --label tf_64mib ...
     TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64 python benchmarks/keras_training.py run \\
         --callback 64MiB --label tf_ucudnn_64mib --out c.json
-    python benchmarks/keras_training.py combine a.json b.json c.json \\
+    python benchmarks/keras_training.py combine a.json b.json c.json --baseline tf_default \\
         --out benchmarks/results/keras_training_h100.json
+
+benchmarks/keras_training_gpu.sh runs every configuration this way on the lent GPU.
 """
 
 from __future__ import annotations
@@ -21,24 +25,49 @@ import os
 import platform
 import statistics
 import time
+from typing import Optional
 
 import keras
 import tensorflow as tf
 
 import tf_ucudnn
 from tf_ucudnn import models
+from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling.profiler import current_machine
 
 
 class EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
+    """Each epoch's seconds, the first epoch's step by step (where its compilations and the
+    callback's planning went), whether the step was XLA-compiled, and the device's peak memory of
+    the whole run and of the epochs after the first."""
+
+    def __init__(self, device: Optional[str]):
         super().__init__()
         self.seconds = []
+        self.first_epoch_steps = []
+        self.device = device
+        self.peak_bytes = self.steady_peak_bytes = None
+        self.jit_compile = None
 
     def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and self.device:
+            self.peak_bytes = tf.config.experimental.get_memory_info(self.device)["peak"]
+            tf.config.experimental.reset_memory_stats(self.device)
         self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.seconds:
+            self.first_epoch_steps.append(time.perf_counter() - self._start)
 
     def on_epoch_end(self, epoch, logs=None):
         self.seconds.append(time.perf_counter() - self._start)
+        self.jit_compile = bool(self.model.jit_compile)
+
+    def on_train_end(self, logs=None):
+        if self.device:
+            peak = tf.config.experimental.get_memory_info(self.device)["peak"]
+            self.steady_peak_bytes = peak
+            self.peak_bytes = max(self.peak_bytes or 0, peak)
 
 
 def _train(name: str, args) -> dict:
@@ -52,23 +81,39 @@ def _train(name: str, args) -> dict:
     images = tf.random.stateless_uniform([args.batch, *shape], seed=[1, 2])
     labels = tf.random.stateless_uniform([args.batch], [3, 4], maxval=classes, dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat()
-    timer = EpochTimer()
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else None
+    if device:
+        tf.config.experimental.reset_memory_stats(device)
+    timer = EpochTimer(device)
     callbacks = [timer]
     planner = None
     if args.callback:
+        with ProfileDatabase(args.database) as database:
+            for path in args.profiles:
+                database.import_jsonl(path)
+            profiles_before = len(database)
         planner = tf_ucudnn.MicroBatchCallback(args.callback, database=args.database,
-                                               profiles=args.profiles)
+                                               profiles=args.profiles,
+                                               trial_steps=args.trial_steps)
         callbacks.insert(0, planner)
-    jit = model.jit_compile
     model.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, shuffle=False,
               callbacks=callbacks)
     steady = timer.seconds[1:]
     result = {
         "img_per_s": args.batch * args.steps / statistics.median(steady),
         "epoch_seconds": timer.seconds,
-        "xla": bool(jit) and not args.callback,  # the callback turns XLA off
+        "first_epoch_seconds": timer.seconds[0],
+        # Seconds from the epoch's start to the end of each of its steps.
+        "first_epoch_step_ends": [round(t, 3) for t in timer.first_epoch_steps],
+        "xla": timer.jit_compile,
+        "peak_bytes": timer.peak_bytes,
+        "steady_peak_bytes": timer.steady_peak_bytes,
     }
     if planner:
+        # Measurements the callback had to make on the GPU (none where the imported profiles
+        # held every layer): their time is in the first epoch, their workspace in the peak.
+        with ProfileDatabase(args.database) as database:
+            result["profiles_measured"] = len(database) - profiles_before
         result["report"] = planner.report.to_json()
         result["layers_planned"] = len(planner.report.layers)
         result["layers_left_alone"] = len(planner.report.left_alone)
@@ -79,7 +124,10 @@ def run(args) -> None:
     gpus = tf.config.list_physical_devices("GPU")
     device = (tf.config.experimental.get_device_details(gpus[0]).get("device_name")
               if gpus else platform.processor() or "CPU")
+    cudnn = (current_machine().cudnn_version
+             if gpus and tf_ucudnn.gpu_kernels_available() else None)
     results = {"label": args.label, "device": device, "tensorflow": tf.__version__,
+               "cudnn": cudnn,
                "batch": args.batch, "dtype": "float32",
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "TF_CUDNN_WORKSPACE_LIMIT_IN_MB": os.environ.get("TF_CUDNN_WORKSPACE_LIMIT_IN_MB"),
@@ -95,15 +143,36 @@ def run(args) -> None:
 def combine(args) -> None:
     runs = [json.load(open(path)) for path in args.runs]
     names = list(dict.fromkeys(name for run_ in runs for name in run_["models"]))
-    table = {name: {run_["label"]: round(run_["models"][name]["img_per_s"], 1)
-                    for run_ in runs if name in run_["models"]} for name in names}
-    header = ["model"] + [run_["label"] for run_ in runs]
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
-    for name in names:
-        lines.append(" | ".join([name] + [str(table[name].get(label, "")) for label in header[1:]]))
-    print("images per second\n" + "\n".join(lines))
+    baseline = {run_["label"]: run_ for run_ in runs}.get(args.baseline)
+    table = {}
+    lines = ["configuration | model | img/s | vs baseline | peak GB (later epochs) | first epoch s",
+             "--- | --- | --- | --- | --- | ---"]
+    for run_ in runs:
+        for name in names:
+            row = run_["models"].get(name)
+            if row is None:
+                continue
+            base = baseline["models"].get(name) if baseline else None
+            ratio = row["img_per_s"] / base["img_per_s"] if base else None
+            table.setdefault(name, {})[run_["label"]] = {
+                "img_per_s": round(row["img_per_s"], 1),
+                "vs_baseline": None if ratio is None else round(ratio, 3),
+                "peak_gb": _gb(row.get("peak_bytes")),
+                "steady_peak_gb": _gb(row.get("steady_peak_bytes")),
+                "first_epoch_s": round(row["epoch_seconds"][0], 1),
+                "xla": row.get("xla")}
+            cell = table[name][run_["label"]]
+            lines.append(f"{run_['label']} | {name} | {cell['img_per_s']} | "
+                         f"{'' if ratio is None else f'{ratio:.0%}'} | {cell['peak_gb']} "
+                         f"({cell['steady_peak_gb']}) | {cell['first_epoch_s']}")
+    print(f"against {args.baseline}\n" + "\n".join(lines))
     with open(args.out, "w") as out:
-        json.dump({"benchmark": "keras_training", "img_per_s": table, "runs": runs}, out, indent=1)
+        json.dump({"benchmark": "keras_training", "baseline": args.baseline, "table": table,
+                   "runs": runs}, out, indent=1)
+
+
+def _gb(value):
+    return None if value is None else round(value / 1e9, 2)
 
 
 def main():
@@ -115,6 +184,8 @@ def main():
     one.add_argument("--steps", type=int, default=20, help="steps per epoch")
     one.add_argument("--epochs", type=int, default=3, help="the first one is not timed")
     one.add_argument("--callback", help="train with MicroBatchCallback at this workspace limit")
+    one.add_argument("--trial-steps", type=int, default=5,
+                     help="the callback's step trial where XLA compiles the step")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],
@@ -123,6 +194,8 @@ def main():
     one.add_argument("--out", required=True)
     many = commands.add_parser("combine", help="put runs side by side")
     many.add_argument("runs", nargs="+")
+    many.add_argument("--baseline", default="tf_default",
+                      help="the label every other run is compared with (Keras's default step)")
     many.add_argument("--out", required=True)
     args = parser.parse_args()
     run(args) if args.command == "run" else combine(args)

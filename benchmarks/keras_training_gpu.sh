@@ -1,29 +1,65 @@
 #!/usr/bin/env bash
-# Issue 4's table on a lent GPU (after TensorFlow was carried there): Keras VGG16 and ResNet-50,
-# fp32, batch 128, trained by model.fit with TensorFlow's default workspace limit, with 64 MiB,
-# and with tf_ucudnn's callback at 64 MiB; with and without XLA for TensorFlow's own runs.
-#   bash benchmarks/keras_training_gpu.sh [configuration ...]     (default: all; results in $OUT)
-# then, wherever the JSON files are:
-#   python benchmarks/keras_training.py combine *.json --out benchmarks/results/keras_training.json
+# Issue 21's table on a lent GPU (after TensorFlow was carried there): Keras VGG16 and ResNet-50,
+# fp32, batch 128, trained by model.fit, one process per configuration, side by side with Keras's
+# default step (XLA):
+#   tf_default        Keras's defaults (XLA on a GPU)             the baseline
+#   tf_default_noxla  XLA off
+#   tf_64mib_noxla    XLA off, TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64
+#   tf_64mib          XLA on,  TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64
+#   tf_ucudnn_64mib   MicroBatchCallback("64MiB"), Keras's defaults otherwise
+#   tf_ucudnn_64mib_noxla  the same with XLA off
+# It outlasts one call of the device tool, so it runs in the background and later calls wait:
+#   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
+#   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
+# Each call copies the logs and the combined table so far to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. .ci/gpu-env.sh
-configs=${*:-tf_ucudnn_64mib tf_64mib tf_64mib_noxla tf_default tf_default_noxla}
-for config in $configs; do
-  limit=64 options=()
-  case $config in
-    tf_ucudnn_64mib) options=(--callback 64MiB) ;;
-    tf_64mib) ;;
-    tf_64mib_noxla) options=(--jit-compile off) ;;
-    tf_default) limit= ;;
-    tf_default_noxla) limit= options=(--jit-compile off) ;;
-    *) echo "unknown configuration $config"; exit 2 ;;
-  esac
-  env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
-    --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-15}" --epochs 3 \
-    --database "${DATABASE:-/tmp/tf_ucudnn_profiles.sqlite}" \
-    --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \
-    "${options[@]}" --label "$config" \
-    --out "$out/$config.json" \
-    2>&1 | grep -v "^W0000\|^I0000" | tee "$out/$config.log"
-done
+. benchmarks/background_run.sh
+run=/tmp/keras_training_run
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+
+copy_back() {
+  cp "$run"/*.log "$run"/keras_training.json "$out"/ 2>/dev/null
+  grep -h " img/s" "$run"/*.log 2>/dev/null | tail -20
+  [ -f "$run/table.txt" ] && cat "$run/table.txt"
+}
+
+configurations() {
+  for config in ${*:-tf_default tf_default_noxla tf_64mib_noxla tf_64mib tf_ucudnn_64mib \
+                      tf_ucudnn_64mib_noxla}; do
+    limit=64 options=()
+    case $config in
+      tf_default) limit= ;;
+      tf_default_noxla) limit= options=(--jit-compile off) ;;
+      tf_64mib_noxla) options=(--jit-compile off) ;;
+      tf_64mib) ;;
+      tf_ucudnn_64mib) options=(--callback 64MiB) ;;
+      tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off) ;;
+      *) echo "unknown configuration $config"; exit 2 ;;
+    esac
+    env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
+      --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-15}" \
+      --epochs 3 --database "$run/profiles.sqlite" \
+      --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \
+      "${options[@]}" --label "$config" --out "$run/$config.json" \
+      2>&1 | grep --line-buffered -v "^W0000\|^I0000" > "$run/$config.log"
+  done
+  python3 benchmarks/keras_training.py combine "$run"/tf_default.json \
+    $(ls "$run"/*.json | grep -v "tf_default.json\|keras_training.json") \
+    --out "$run/keras_training.json" > "$run/table.txt" 2>&1
+}
+
+case ${1:-} in
+  start)
+    shift
+    export -f configurations
+    background_start "$run" bash -c 'configurations "$@"' bash "$@"
+    ;;
+  wait)
+    background_wait "$run" "${2:-500}"
+    copy_back
+    ;;
+  *)
+    echo "usage: $0 start [configuration ...] | wait SECONDS"; exit 2 ;;
+esac

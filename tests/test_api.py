@@ -1,6 +1,7 @@
 """tf_ucudnn.rewrite: convolution plans and the memory plan, put together on a training step."""
 
 import pytest
+import tensorflow as tf
 
 import tf_ucudnn
 from tf_ucudnn.memory import BudgetError
@@ -63,3 +64,18 @@ def test_the_memory_plan_counts_the_workspace_the_convolutions_plans_need():
                for t in liveness.tensors if t.name.endswith(":scratch")}
     # Each kernel holds the larger of its micro-batches' workspaces while it runs.
     assert len(kernels) == 12 and scratch == {name: 1 << 20 for name in kernels}
+
+
+def test_a_rewritten_training_step_compiles_with_xla():
+    """The rewritten step, compiled by XLA (tf_ucudnn's ops in its computation), gives the
+    original step's loss and gradients."""
+    step = conv_training_step()
+    compiled, report = tf_ucudnn.rewrite(step, _split, jit_compile=True)
+    assert len(report.layers) == 4
+    assert_same_step(step, compiled, rtol=1e-4, atol=1e-6)
+    x_spec, y_spec = [t for t in step.inputs if t.dtype != tf.resource][:2]
+    hlo = compiled.experimental_get_compiler_ir(tf.zeros(x_spec.shape),
+                                                tf.zeros(y_spec.shape, tf.int32))(stage="hlo")
+    assert "UcudnnConv2D" in hlo and "UcudnnConv2DBackpropFilter" in hlo
+    with pytest.raises(TypeError, match="jit_compile compiles a function"):
+        tf_ucudnn.rewrite(step.graph.as_graph_def(), _split, jit_compile=True)

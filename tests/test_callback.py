@@ -62,11 +62,12 @@ def _data(samples=40):
     return rng.rand(samples, 12, 12, 3).astype("float32"), np.arange(samples) % 4
 
 
-def _fit(build, callbacks, epochs=3, batch_size=16, validation=False):
+def _fit(build, callbacks, epochs=3, batch_size=16, validation=False, jit_compile="auto"):
     keras.utils.set_random_seed(1)
     model = build()
     model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     x, y = _data()
     history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False,
                         callbacks=callbacks, validation_data=(x[:10], y[:10]) if validation
@@ -373,3 +374,86 @@ def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after(kernel,
     normalization = [layer for layer in fused.layers
                      if isinstance(layer, keras.layers.BatchNormalization)]
     assert normalization and all("call" not in vars(layer) for layer in normalization)
+
+
+class _JitProbe(keras.callbacks.Callback):
+    """Notes, at the second step, whether Keras compiles the step and which ops it runs."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            self.jit_compile = self.model.jit_compile
+            self.types = _op_types(self.model)
+
+
+@pytest.mark.parametrize("build", [_vgg_style, _resnet_style], ids=["vgg", "resnet"])
+def test_with_xla_the_planned_layers_compile_and_train_to_the_same_weights(build):
+    """The step stays compiled by XLA, tf_ucudnn's ops in it; the last batch of each epoch (8 of
+    40 samples) runs undivided, as its plan is for 16."""
+    plain, plain_history = _fit(build, [], jit_compile=True)
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=0, verbose=0)
+    probe = _JitProbe()
+    planned, planned_history = _fit(build, [callback, probe], jit_compile=True)
+    assert probe.jit_compile is True and planned.jit_compile is True
+    assert "UcudnnConv2D" in probe.types
+    assert callback.report.layers and callback.report.trial is None
+    np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _FakeClock:
+    """perf_counter for the callback: each timed step takes the next of `durations` seconds."""
+
+    def __init__(self, durations):
+        self.durations = list(durations)
+        self.now = 0.0
+        self.running = False
+
+    def perf_counter(self):
+        if self.running:
+            self.now += self.durations.pop(0)
+        self.running = not self.running
+        return self.now
+
+
+@pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
+    (10.0, 5.0, "XLA's own convolutions"), (5.0, 10.0, "plans")])
+def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned_ms, kept):
+    """Two steps timed each way, after the planned step's compiling one; then the faster stays.
+    Kept without its plans, every layer is reported left alone with the two times."""
+    import tf_ucudnn.callback as callback_module
+    clock = _FakeClock([1.0] + [planned_ms / 1e3] * 2 + [unplanned_ms / 1e3] * 2)
+    monkeypatch.setattr(callback_module, "time", clock)
+    plain, _ = _fit(_vgg_style, [], jit_compile=True)
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
+    model, _ = _fit(_vgg_style, [callback], jit_compile=True)
+    trial = callback.report.trial
+    assert trial.planned_ms == pytest.approx([planned_ms] * 2)
+    assert trial.unplanned_ms == pytest.approx([unplanned_ms] * 2)
+    assert trial.kept == kept and f"kept {kept}" in callback.report.to_text()
+    if kept == "plans":
+        assert len(callback.report.layers) == 3
+    else:
+        assert callback.report.layers == []
+        measured = [item for item in callback.report.left_alone if item.reason.startswith(
+            "measured: the step compiled with the plans took 10.00 ms, with XLA's own "
+            "convolutions 5.00 ms")]
+        assert len(measured) == 3
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
+    """Tracing the step again would cost XLA a compilation for the same step."""
+    retraces = []
+    own_retrace = MicroBatchCallback._retrace
+    monkeypatch.setattr(MicroBatchCallback, "_retrace",
+                        lambda self: retraces.append(1) or own_retrace(self))
+    callback = MicroBatchCallback(planner=lambda layer: "XLA's own is faster", verbose=0)
+    _fit(_vgg_style, [callback], epochs=2, jit_compile=True)
+    assert not callback.report.layers and callback.report.trial is None
+    assert len(retraces) == 2  # when training begins and when it ends, not after planning
+    retraces.clear()
+    _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), trial_steps=0, verbose=0)],
+         epochs=1, jit_compile=True)
+    assert len(retraces) == 3

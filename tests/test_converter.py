@@ -13,6 +13,10 @@ from tf_ucudnn.plan import KernelPlan, LayerPlan
 
 BATCH = 6
 
+# Compared with the original at float32 precision: on a GPU, TF32 would round TensorFlow's and
+# tf_ucudnn's algorithms differently.
+pytestmark = pytest.mark.usefixtures("no_tf32")
+
 
 def split_in_two(layer):
     batch = layer.batch_size
@@ -218,3 +222,20 @@ def test_a_memory_budget_only_micro_batches_meet_runs_the_first_layers_in_them(t
     x = np.random.RandomState(2).rand(BATCH, 16, 16, 3).astype("float32")
     (output,) = signature(**{name: tf.constant(x)}).values()
     np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_converted_model_compiles_with_xla(converted):
+    """Its signatures run inside tf.function(jit_compile=True), at the planned batch size and
+    another, with the same outputs."""
+    _, out, model = converted
+    loaded = tf.saved_model.load(out)
+    signature = loaded.signatures["serving_default"]
+    (name,) = signature.structured_input_signature[1]
+    compiled = tf.function(lambda x: signature(**{name: x}), jit_compile=True)
+    rng = np.random.RandomState(2)
+    for batch in (BATCH, 3):
+        x = rng.rand(batch, 12, 12, 3).astype("float32")
+        (output,) = compiled(tf.constant(x)).values()
+        np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    hlo = compiled.experimental_get_compiler_ir(tf.constant(x[:BATCH]))(stage="hlo")
+    assert "UcudnnConv2D" in hlo  # the plans' ops went into XLA's computation

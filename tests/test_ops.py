@@ -653,3 +653,38 @@ def test_gpu_low_precision_with_tensor_ops(gpu_device, case, dtype, rng):
 def test_gpu_float64_runs_on_the_gpu(gpu_device, rng):
     cfg = CONV2D_CASES[0].cfg
     check_conv(gpu_device, cfg, tf.float64, CONV2D_CASES[0].plan(), rng)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["op", "xla"])
+def test_plan_batch_size_runs_other_batches_undivided(device, jit_compile, rng):
+    """A plan for 4 samples, given as such: a batch of 3 runs undivided, gradients too, where it
+    would otherwise be refused."""
+    plan = LayerPlan(*(kernel_plan(sizes, kernel, ["auto"]) for sizes, kernel in
+                       [((1, 3), "fwd"), ((2, 2), "bwd_data"), ((3, 1), "bwd_filter")]))
+    w = random([3, 3, 2, 5], tf.float32, rng)
+
+    def step(conv, x, **kwargs):
+        def run(x, w):
+            with tf.GradientTape() as tape:
+                tape.watch([x, w])
+                y = conv(x, w, strides=1, padding="SAME", **kwargs)
+                loss = tf.reduce_sum(y * y)
+            return (y, *tape.gradient(loss, [x, w]))
+        with tf.device(device):
+            return tf.function(run, jit_compile=jit_compile)(x, w)
+
+    for batch in (4, 3):
+        x = random([batch, 6, 6, 2], tf.float32, rng)
+        expected = step(tf.nn.conv2d, x)
+        got = step(tf_ucudnn.conv2d, x, plan=plan, plan_batch_size=4)
+        for name, a, b in zip(["y", "dx", "dw"], got, expected):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
+                                       atol=1e-4 * float(tf.reduce_max(tf.abs(b))),
+                                       err_msg=f"batch {batch}: {name}")
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="sum to 4 but the "
+                       "batch has 3"):
+        step(tf_ucudnn.conv2d, random([3, 6, 6, 2], tf.float32, rng), plan=plan)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="sums to 4 samples but is for batches of plan_batch_size=5"):
+        step(tf_ucudnn.conv2d, random([5, 6, 6, 2], tf.float32, rng), plan=plan,
+             plan_batch_size=5)

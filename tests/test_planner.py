@@ -103,3 +103,31 @@ def test_rewrite_builds_its_own_planner_from_a_database(profiles_dir, tmp_path):
     assert len(budget_report.layers) == 5
     with pytest.raises(ValueError, match="for the default planner"):
         rewrite(concrete, lambda layer: "x", workspace_limit="64MiB")
+
+
+def test_compared_with_xla_a_layer_is_planned_only_where_its_plan_is_predicted_faster(
+        database, alexnet_layers):
+    """At 64 MiB every AlexNet plan is predicted slower than the best undivided algorithm with any
+    workspace, which XLA's autotuner may pick: XLA keeps them all, each with both predictions."""
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True)
+    alone = DatabasePlanner(database, 64 * MIB, machine=H100)
+    for layer in alexnet_layers:
+        prediction = planner.predict(layer, alone(layer))
+        # The XLA prediction is the best undivided algorithm with any workspace, kernel by kernel.
+        expected = sum(min(t.time_ms for t in database.timings(
+            H100.device, H100.cudnn_version, layer.cudnn_geometry(), kernel)[layer.batch_size])
+            for kernel in KERNELS)
+        assert prediction.xla_ms == pytest.approx(expected)
+        assert prediction.plan_ms > prediction.xla_ms
+        assert planner(layer) == (
+            f"XLA's own convolution is predicted as fast or faster: {prediction.xla_ms:.3f} ms "
+            f"undivided with any workspace, against {prediction.plan_ms:.3f} ms planned (a plan "
+            f"must gain 10%)")
+    # The margin decides: conv2's plan is predicted 2.03 times as slow as XLA's convolution.
+    conv2 = alexnet_layers[1]
+    prediction = planner.predict(conv2, alone(conv2))
+    assert prediction.plan_ms / prediction.xla_ms == pytest.approx(2.03, abs=0.005)
+    assert isinstance(DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True,
+                                      xla_margin=-1.0)(conv2), str)
+    assert DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True,
+                           xla_margin=-1.1)(conv2) == alone(conv2)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+import tensorflow as tf
+
 from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_function
 from tf_ucudnn.graph.rewrite import (
     Planner,
@@ -35,12 +37,15 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
             spatial_split: Optional[int] = None, devices: Optional[Sequence[str]] = None,
             device_model=None, step_ms: Optional[float] = None,
             micro_batches: Sequence[int] = (4, 8), inline_functions: bool = False,
-            **planner_options):
+            jit_compile: bool = False, **planner_options):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
-    inputs, outputs and captured variables. With `inline_functions`, a ConcreteFunction's calls to
-    other functions (a restored SavedModel's signatures are such calls) are inlined first.
+    inputs, outputs and captured variables, compiled by XLA with `jit_compile` (tf_ucudnn's ops
+    become XLA custom calls on the GPU; any rewritten function may also be wrapped in
+    `tf.function(..., jit_compile=True)` later). With `inline_functions`, a ConcreteFunction's
+    calls to other functions (a restored SavedModel's signatures are such calls) are inlined
+    first.
 
     Convolution plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason),
     or from a `DatabasePlanner` for `workspace_limit` per kernel and/or a `workspace_budget`
@@ -100,7 +105,7 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     elif inline_functions and is_concrete_function(target):
         rewritten = inline_function_calls(target)
     if memory_budget is None:
-        return rewritten, report
+        return _compiled(rewritten, jit_compile), report
 
     step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
         else rewritten
@@ -108,4 +113,13 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
         step, parse_bytes(memory_budget), device_model or DeviceModel.measure(), step_ms=step_ms,
         micro_batches=micro_batches)
     report.memory = report.memory_prefix.plan
-    return planned, report
+    return _compiled(planned, jit_compile), report
+
+
+def _compiled(rewritten, jit_compile: bool):
+    if not jit_compile:
+        return rewritten
+    if not callable(rewritten):
+        raise TypeError("jit_compile compiles a function: rewrite a ConcreteFunction, not a "
+                        f"{type(rewritten).__name__}")
+    return tf.function(rewritten, jit_compile=True)

@@ -5,8 +5,14 @@ first seen when a step runs. The callback therefore lets the first step run with
 convolutions while each convolution layer records the shape of its input; after that step it plans
 every layer for that shape, switches the layers' `convolution_op` to tf_ucudnn's ops carrying their
 plans, and has Keras build its train, test and predict functions again. An input of another shape
-(a last, partial batch) runs TensorFlow's own op. When training ends the layers get their own
-convolution back, so the model is plain again for whatever follows.
+(a last, partial batch) runs undivided. When training ends the layers get their own convolution
+back, so the model is plain again for whatever follows.
+
+Where Keras compiles the step with XLA (its default on a GPU), it still does: tf_ucudnn's ops
+compile to XLA custom calls. A layer is then planned only where the profiles predict its plan
+faster than XLA's own convolution, and if any is, a few steps are timed with the plans and as
+Keras compiled it before them; the faster step is kept, so the callback never leaves training
+slower than Keras's own step. If no layer is planned, Keras's compiled step goes on unchanged.
 
 Under a memory budget the first step may not fit as it is, so none runs unplanned: the first call
 of the train function takes the first batch from the data, traces the step at its shape (each
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
+import time
 from typing import Optional, Sequence, Union
 
 import keras
@@ -52,6 +60,37 @@ class _PatchedLayer:
     traced_shape: Optional[tuple] = None  # the input's static shape where a trace knew it
     conv_layer: Optional[ConvLayer] = None
     plan: Optional[LayerPlan] = None
+
+
+@dataclasses.dataclass
+class StepTrial:
+    """The XLA-compiled step timed with the plans and as Keras compiled it before them (XLA's own
+    convolutions), median milliseconds of `steps` steps each, and which one training kept."""
+
+    steps: int
+    planned_ms: list = dataclasses.field(default_factory=list)
+    unplanned_ms: list = dataclasses.field(default_factory=list)
+    kept: Optional[str] = None  # "plans" or "XLA's own convolutions", once decided
+
+    @property
+    def planned_median_ms(self) -> Optional[float]:
+        return statistics.median(self.planned_ms) if self.planned_ms else None
+
+    @property
+    def unplanned_median_ms(self) -> Optional[float]:
+        return statistics.median(self.unplanned_ms) if self.unplanned_ms else None
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "planned_ms": self.planned_ms,
+                "unplanned_ms": self.unplanned_ms, "kept": self.kept}
+
+    def to_text(self) -> str:
+        if self.kept is None:
+            return (f"  step trial unfinished: {len(self.planned_ms)} planned and "
+                    f"{len(self.unplanned_ms)} unplanned step(s) of {self.steps} timed")
+        return (f"  step trial: {self.planned_median_ms:.2f} ms with the plans, "
+                f"{self.unplanned_median_ms:.2f} ms with XLA's own convolutions "
+                f"(median of {self.steps}); kept {self.kept}")
 
 
 def _convolution_layers(model: keras.Model):
@@ -93,10 +132,13 @@ class MicroBatchCallback(keras.callbacks.Callback):
         micro-batches (`tf_ucudnn.memory.streamed_conv_bn`), which lowers the backward pass's
         peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
         are TensorFlow's convolutions, so this needs `workspace_limit=None`.
+      trial_steps: where XLA compiles the step and some layer is planned, how many steps to
+        time with the plans and as Keras compiled it (XLA's own convolutions) before keeping the
+        faster; 0 keeps the plans on the profiles' prediction alone.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
-    and the memory plan if one was made.
+    the step trial if one ran, and the memory plan if one was made.
     """
 
     def __init__(self, workspace_limit: Union[int, str] = "64MiB",
@@ -105,7 +147,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  memory_budget: Union[int, str, None] = None, device_model=None,
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
-                 verbose: int = 1):
+                 trial_steps: int = 5, verbose: int = 1):
         super().__init__()
         if stream_conv_batch_norm and workspace_limit is not None:
             raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
@@ -122,7 +164,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._database = database
         self._profiles = tuple(profiles)
         self.verbose = verbose
+        if trial_steps < 0:
+            raise ValueError(f"trial_steps must be 0 or more, got {trial_steps}")
+        self.trial_steps = trial_steps
         self.report: Optional[RewriteReport] = None
+        self._trial: Optional[_Trial] = None
         self._patched: list[_PatchedLayer] = []
         self._jit_compile = None
         self.fuse_batch_norm = kernel_name(fuse_batch_norm)  # None, or the kernel's name
@@ -165,27 +211,45 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if self.stream_conv_batch_norm:
             self.unstreamed = self._layer_switches.enter_context(
                 streamed_conv_batch_norm(self.model, self.stream_conv_batch_norm))
-        if (self._patched or self.memory_budget_bytes is not None) and self.model.jit_compile:
-            # XLA cannot compile tf_ucudnn's ops, and the memory-planned step runs without it,
-            # so it is off from the first step on (sparing a compilation for one step); the
-            # model's own setting comes back at the end.
+        if self.memory_budget_bytes is not None and self.model.jit_compile:
+            # The memory-planned step orders its swaps and recomputations by control edges, which
+            # XLA would not keep, so XLA is off from the first step on (sparing a compilation for
+            # one step); the model's own setting comes back at the end.
             self._jit_compile = self.model.jit_compile
             self.model.jit_compile = False
+        self._trial = None
         self._retrace()
         if self.memory_budget_bytes is not None:
             self.model.train_function = self._planning_train_function
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._trial is not None:
+            self._trial.step_began = time.perf_counter()
+
     def on_train_batch_end(self, batch, logs=None):
+        # Keras hands this callback (not marked async-safe) the step's logs as numbers: the step
+        # has finished on the device by now.
+        if self._trial is not None:
+            self._time_trial_step(time.perf_counter() - self._trial.step_began)
         if self.report is None and self._patched:
             try:
                 self._plan(lambda patched: patched.observed_shape.numpy().tolist())
-                self._retrace()
+                if self.report.layers:
+                    unplanned = self.model.train_function
+                    self._retrace()
+                    if self.model.jit_compile and self.trial_steps:
+                        self._trial = _Trial(StepTrial(self.trial_steps), unplanned,
+                                             self.model.train_function)
+                        self.report.trial = self._trial.result
+                # With no layer planned, the step as compiled goes on: tracing it again would
+                # cost XLA a compilation for the same step.
             except BaseException:
                 self.on_train_end()  # Keras skips it when training stops on an error
                 raise
             self._guard_train_function()
 
     def on_train_end(self, logs=None):
+        self._trial = None
         self.model.__dict__.pop("train_step", None)
         for patched in self._patched:
             self._switch(patched.layer, None)
@@ -207,8 +271,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         planner, closing = self._planner, None
         if planner is None and self._patched:
             try:
-                planner = closing = DatabasePlanner.open(self.workspace_limit_bytes,
-                                                         self._database, self._profiles)
+                planner = closing = DatabasePlanner.open(
+                    self.workspace_limit_bytes, self._database, self._profiles,
+                    compare_with_xla=bool(self.model.jit_compile))
             except Exception as error:  # no GPU and no measurements: say so, train as is
                 planner = _leave_alone_because(f"no planner: {error}")
         try:
@@ -300,7 +365,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                   f" within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel")
         lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched"
                  f"{within}, {len(self.report.left_alone)} left as they are"
-                 + ("; XLA compilation turned off while they train" if self._jit_compile else "")]
+                 + ("; XLA compilation turned off under the memory budget" if self._jit_compile
+                    else "; the step compiled by XLA" if self.model.jit_compile else "")]
         lines += self.report.to_text().splitlines()[1:]
         if self.fuse_batch_norm:
             lines.append(f"  batch normalization trained as fused kernels "
@@ -340,22 +406,16 @@ class MicroBatchCallback(keras.callbacks.Callback):
     def _planned_op(patched: _PatchedLayer):
         own_op = type(patched.layer).convolution_op.__get__(patched.layer)
         layer, plan = patched.conv_layer, patched.plan
-        planned_shape = tf.constant(layer.input_shape, tf.int64)
         conv = ops.conv2d if layer.num_spatial_dims == 2 else ops.conv3d
 
         def convolution_op(inputs, kernel):
-            def planned():
-                return conv(inputs, kernel,
-                            strides=list(layer.strides), padding=layer.padding,
-                            data_format=layer.data_format, dilations=list(layer.dilations),
-                            plan=plan)
-
-            if inputs.shape.is_fully_defined():
-                return planned() if tuple(inputs.shape) == layer.input_shape else \
-                    own_op(inputs, kernel)
-            same_shape = tf.reduce_all(tf.equal(tf.shape(inputs, out_type=tf.int64),
-                                                planned_shape))
-            return tf.cond(same_shape, planned, lambda: own_op(inputs, kernel))
+            if inputs.shape.is_fully_defined() and tuple(inputs.shape) != layer.input_shape:
+                return own_op(inputs, kernel)
+            # Traced with the batch unknown, the op itself runs another batch size undivided:
+            # XLA would compile both branches of a tf.cond, the plan's at the wrong batch too.
+            return conv(inputs, kernel, strides=list(layer.strides), padding=layer.padding,
+                        data_format=layer.data_format, dilations=list(layer.dilations),
+                        plan=plan, plan_batch_size=layer.batch_size)
         return convolution_op
 
     def _retrace(self) -> None:
@@ -364,10 +424,49 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.model.test_function = None
         self.model.predict_function = None
 
+    # The step trial.
+
+    def _time_trial_step(self, seconds: float) -> None:
+        trial = self._trial
+        trial.steps_seen += 1
+        if trial.steps_seen == 1:
+            return  # the planned step's first call compiles it
+        result = trial.result
+        if len(result.planned_ms) < result.steps:
+            result.planned_ms.append(seconds * 1e3)
+            if len(result.planned_ms) == result.steps:
+                self.model.train_function = self._guarded(trial.unplanned)
+            return
+        result.unplanned_ms.append(seconds * 1e3)
+        if len(result.unplanned_ms) < result.steps:
+            return
+        self._trial = None
+        if result.planned_median_ms < result.unplanned_median_ms:
+            result.kept = "plans"
+            self.model.train_function = self._guarded(trial.planned)
+        else:
+            result.kept = "XLA's own convolutions"
+            reason = (f"measured: the step compiled with the plans took "
+                      f"{result.planned_median_ms:.2f} ms, with XLA's own convolutions "
+                      f"{result.unplanned_median_ms:.2f} ms")
+            self.report.left_alone += [LeftAlone(item.layer.name, "", reason)
+                                       for item in self.report.layers]
+            self.report.layers = []
+            for patched in self._patched:
+                patched.plan = None
+                self._switch(patched.layer, None)
+            # The step compiled before the plans runs on; tests and predictions trace again.
+            self.model.test_function = None
+            self.model.predict_function = None
+        if self.verbose:
+            print("tf_ucudnn:" + result.to_text()[1:], flush=True)
+
     def _guard_train_function(self) -> None:
+        self.model.train_function = self._guarded(self.model.train_function)
+
+    def _guarded(self, inner):
         """A step that fails gives the model its own layers back before the error goes on:
         Keras calls no callback when training stops on an error."""
-        inner = self.model.train_function
 
         def train_function(iterator):
             try:
@@ -378,7 +477,18 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 self.on_train_end()
                 raise
         train_function.__qualname__ = inner.__qualname__
-        self.model.train_function = train_function
+        return train_function
+
+
+@dataclasses.dataclass
+class _Trial:
+    """A step trial under way: its result so far, and the two train functions it times."""
+
+    result: StepTrial
+    unplanned: object
+    planned: object
+    steps_seen: int = 0
+    step_began: float = 0.0
 
 
 def _leave_alone_because(reason: str) -> Planner:

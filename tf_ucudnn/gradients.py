@@ -12,7 +12,7 @@ from tf_ucudnn.ops import _ops, with_workspaces
 from tf_ucudnn.plan import workspace_attr
 
 _CONV_ATTRS = ("strides", "padding", "explicit_paddings", "data_format", "dilations",
-               "use_cudnn_on_gpu")
+               "use_cudnn_on_gpu", "plan_batch_size")
 _BACKPROP_OPS = {
     2: (_ops.ucudnn_conv2d, _ops.ucudnn_conv2d_backprop_input, _ops.ucudnn_conv2d_backprop_filter),
     3: (_ops.ucudnn_conv3d, _ops.ucudnn_conv3d_backprop_input, _ops.ucudnn_conv3d_backprop_filter),

@@ -122,28 +122,37 @@ def with_workspaces(output: tf.Tensor, workspaces: dict) -> tf.Tensor:
 
 
 def _forward(op, num_spatial, input, filters, strides, padding, data_format, dilations, plan,
-             name):
+             plan_batch_size, name):
     plan = _layer_plan(plan)
     output = op(input, filters,
                 **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
-                **_forward_plan_attrs(plan), name=name)
+                **_forward_plan_attrs(plan),
+                plan_batch_size=-1 if plan_batch_size is None else plan_batch_size, name=name)
     return with_workspaces(output, {"": plan.forward.workspace_bytes,
                                     "backprop_input_": plan.backprop_input.workspace_bytes,
                                     "backprop_filter_": plan.backprop_filter.workspace_bytes})
 
 
 def conv2d(input, filters, strides, padding: Padding, data_format: str = "NHWC", dilations=None,
-           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
-    """tf.nn.conv2d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
+           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None,
+           plan_batch_size: Optional[int] = None):
+    """tf.nn.conv2d as micro-batches. A LayerPlan also sets the plans its gradient will use.
+    A batch the plan does not add up to is an error; with `plan_batch_size` (the batch the plan
+    is for), a batch of another size runs undivided instead, its gradient too, the algorithm
+    chosen at run time or by XLA."""
     return _forward(_ops.ucudnn_conv2d, 2, input, filters, strides, padding, data_format,
-                    dilations, plan, name)
+                    dilations, plan, plan_batch_size, name)
 
 
 def conv3d(input, filters, strides, padding: Padding, data_format: str = "NDHWC", dilations=None,
-           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None):
-    """tf.nn.conv3d as micro-batches. A LayerPlan also sets the plans its gradient will use."""
+           plan: Union[LayerPlan, KernelPlan, None] = None, name: Optional[str] = None,
+           plan_batch_size: Optional[int] = None):
+    """tf.nn.conv3d as micro-batches. A LayerPlan also sets the plans its gradient will use.
+    A batch the plan does not add up to is an error; with `plan_batch_size` (the batch the plan
+    is for), a batch of another size runs undivided instead, its gradient too, the algorithm
+    chosen at run time or by XLA."""
     return _forward(_ops.ucudnn_conv3d, 3, input, filters, strides, padding, data_format,
-                    dilations, plan, name)
+                    dilations, plan, plan_batch_size, name)
 
 
 def _backprop(op, num_spatial, first, second, out_backprop, strides, padding, data_format,

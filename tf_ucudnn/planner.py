@@ -16,6 +16,7 @@ TensorFlow's op for such layers instead, reported as "no gain".
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 from typing import Iterable, Optional, Union
@@ -74,18 +75,34 @@ def resolve_machine(database: ProfileDatabase, device: Optional[str] = None,
     return Machine(*matching[0]), False
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPrediction:
+    """A layer's predicted time, its three kernels together, from the profile database: as XLA's
+    own convolution would run it (the best undivided algorithm at the whole batch, whatever its
+    workspace: XLA's autotuner is not held to a limit) and as its plan would. None where the
+    database cannot tell."""
+
+    xla_ms: Optional[float]
+    plan_ms: Optional[float]
+
+
 class DatabasePlanner:
     """Plans layers from a profile database, measuring missing geometries when it can.
 
     `workspace_limit_bytes` bounds each kernel's workspace (None: no bound);
     `workspace_budget_bytes` bounds their sum over the layers given to `prepare`.
+    With `compare_with_xla`, a layer is planned only where its plan is predicted at least
+    `xla_margin` faster than XLA's own convolution (see `LayerPrediction`); the others are left
+    to XLA, with the two predictions as the reason. The margin covers what a custom call costs
+    XLA: the convolution is no longer fused with what surrounds it.
     """
 
     def __init__(self, database: ProfileDatabase, workspace_limit_bytes: Optional[int], *,
                  workspace_budget_bytes: Optional[int] = None,
                  machine: Optional[Machine] = None, measure: Optional[bool] = None,
                  deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0,
-                 leave_undivided_to_tensorflow: bool = False):
+                 leave_undivided_to_tensorflow: bool = False, compare_with_xla: bool = False,
+                 xla_margin: float = 0.1):
         self.database = database
         self.workspace_limit_bytes = workspace_limit_bytes
         self.measure = machine is None if measure is None else measure
@@ -94,6 +111,8 @@ class DatabasePlanner:
                                    if deterministic_only is None else deterministic_only)
         self.call_overhead_ms = call_overhead_ms
         self.leave_undivided_to_tensorflow = leave_undivided_to_tensorflow
+        self.compare_with_xla = compare_with_xla
+        self.xla_margin = xla_margin
         if workspace_limit_bytes is None and workspace_budget_bytes is None:
             raise ValueError("give a workspace limit per kernel, a workspace budget for all, "
                              "or both")
@@ -199,7 +218,38 @@ class DatabasePlanner:
                 len(kernel_plan.micro_batches) == 1 for kernel_plan in
                 (plan.forward, plan.backprop_input, plan.backprop_filter)):
             return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
+        if isinstance(plan, LayerPlan) and self.compare_with_xla:
+            prediction = self.predict(layer, plan)
+            if prediction.xla_ms is None or prediction.plan_ms is None:
+                return "XLA's own convolution: the profiles cannot predict which is faster"
+            if prediction.plan_ms > (1 - self.xla_margin) * prediction.xla_ms:
+                return (f"XLA's own convolution is predicted as fast or faster: "
+                        f"{prediction.xla_ms:.3f} ms undivided with any workspace, against "
+                        f"{prediction.plan_ms:.3f} ms planned (a plan must gain "
+                        f"{self.xla_margin:.0%})")
         return plan
+
+    def predict(self, layer: ConvLayer, plan: Union[LayerPlan, str, None] = None
+                ) -> LayerPrediction:
+        """The layer's predicted time as XLA's convolution and, if given, as `plan`."""
+        tables = self._timings(layer)
+        if isinstance(tables, str):
+            return LayerPrediction(None, None)
+        xla_ms = 0.0
+        for kernel in KERNELS:
+            try:
+                xla_ms += fastest_configuration(
+                    kernel, tables[kernel], layer.batch_size, None,
+                    deterministic_only=self.deterministic_only,
+                    micro_batch_sizes=[layer.batch_size]).time_ms
+            except NoFeasiblePlanError:
+                return LayerPrediction(None, None)
+        plan_ms = None
+        if isinstance(plan, LayerPlan):
+            times = [_planned_ms(plan.kernel(kernel), tables[kernel], self.call_overhead_ms)
+                     for kernel in KERNELS]
+            plan_ms = None if None in times else sum(times)
+        return LayerPrediction(xla_ms, plan_ms)
 
     def _plan_alone(self, layer: ConvLayer) -> Union[LayerPlan, str]:
         tables = self._timings(layer)
@@ -215,3 +265,17 @@ class DatabasePlanner:
             except NoFeasiblePlanError as error:
                 return f"no plan within the workspace limit: {error}"
         return LayerPlan(*plans)
+
+
+def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float]:
+    """The measured time of a kernel plan's micro-batches, None if one was not measured."""
+    total = 0.0
+    for micro_batch in kernel_plan.micro_batches:
+        algorithm = micro_batch.algorithm
+        matching = [t.time_ms for t in timings.get(micro_batch.size, ())
+                    if t.algo == algorithm.algo and algorithm.algo is not None
+                    and (algorithm.math is None or t.math == algorithm.math)]
+        if not matching:
+            return None
+        total += min(matching) + call_overhead_ms
+    return total

@@ -254,4 +254,38 @@ std::string ConvGeometry::DebugString() const {
                       ", padding ", ShapeString(pad_before), "/", ShapeString(pad_after));
 }
 
+// [channels_last, batch, in_channels, out_channels, nd, then nd values each of input_spatial,
+// filter_spatial, output_spatial, strides, dilations, pad_before, pad_after].
+std::vector<int64_t> ConvGeometry::Encode() const {
+  std::vector<int64_t> values = {channels_last ? 1 : 0, batch, in_channels, out_channels,
+                                 num_spatial_dims()};
+  for (const std::vector<int64_t>* field : {&input_spatial, &filter_spatial, &output_spatial,
+                                            &strides, &dilations, &pad_before, &pad_after}) {
+    values.insert(values.end(), field->begin(), field->end());
+  }
+  return values;
+}
+
+absl::Status ConvGeometry::Decode(const int64_t* values, size_t count, ConvGeometry* geometry) {
+  constexpr int kFields = 7;
+  if (count < 5 || values[4] < 1 || count != 5 + kFields * static_cast<size_t>(values[4])) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an encoded convolution geometry of ", count, " values is malformed"));
+  }
+  ConvGeometry g;
+  g.channels_last = values[0] != 0;
+  g.batch = values[1];
+  g.in_channels = values[2];
+  g.out_channels = values[3];
+  const int64_t nd = values[4];
+  const int64_t* next = values + 5;
+  for (std::vector<int64_t>* field : {&g.input_spatial, &g.filter_spatial, &g.output_spatial,
+                                      &g.strides, &g.dilations, &g.pad_before, &g.pad_after}) {
+    field->assign(next, next + nd);
+    next += nd;
+  }
+  *geometry = std::move(g);
+  return absl::OkStatus();
+}
+
 }  // namespace tf_ucudnn

@@ -81,6 +81,10 @@ struct ConvGeometry {
   std::vector<int64_t> FilterShape() const;
 
   std::string DebugString() const;
+
+  // As a flat list of integers and back, to travel in an XLA custom call's attributes.
+  std::vector<int64_t> Encode() const;
+  static absl::Status Decode(const int64_t* values, size_t count, ConvGeometry* geometry);
 };
 
 // Resolves the geometry from the input and filter shapes (each num_spatial_dims + 2 long).

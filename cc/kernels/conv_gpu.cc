@@ -12,24 +12,8 @@ struct ConvLauncher<GPUDevice, T> {
   static absl::Status Run(tensorflow::OpKernelContext* ctx, ConvKernel kernel,
                           const ConvGeometry& geometry,
                           const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> buffers) {
-    // Zero-sized dims leave nothing for cuDNN to compute; the result is zeros (or empty).
-    if (geometry.FilterSize() == 0 || geometry.InputSampleSize() == 0 ||
-        geometry.OutputSampleSize() == 0) {
-      const int64_t elements =
-          kernel == ConvKernel::kForward
-              ? geometry.batch * geometry.OutputSampleSize()
-              : kernel == ConvKernel::kBackpropInput ? geometry.batch * geometry.InputSampleSize()
-                                                     : geometry.FilterSize();
-      T* result = kernel == ConvKernel::kForward         ? buffers.output
-                  : kernel == ConvKernel::kBackpropInput ? buffers.input
-                                                         : buffers.filter;
-      if (elements == 0) return absl::OkStatus();
-      TF_UCUDNN_RETURN_IF_CUDA_ERROR(
-          cudaMemsetAsync(result, 0, elements * sizeof(T), ctx->eigen_gpu_device().stream()),
-          "cudaMemsetAsync");
-      return absl::OkStatus();
-    }
-    return CudnnConvolution<T>(ctx, kernel, geometry, buffers).Run(micro_batches);
+    OpKernelResources resources(ctx);
+    return RunConvolution<T>(&resources, kernel, geometry, micro_batches, buffers);
   }
 };
 

@@ -34,6 +34,27 @@ struct ConvLauncher {
                           const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> buffers);
 };
 
+// plan_batch_size: -1, or the batch size the plan is for, which it must add up to.
+template <typename Construction>
+absl::Status ReadPlanBatchSize(Construction* ctx, const MicroBatchPlan& plan,
+                               int64_t* plan_batch_size) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("plan_batch_size", plan_batch_size));
+  if (*plan_batch_size >= 0 && !plan.empty() && plan.total() != *plan_batch_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan ", plan.DebugString(), " sums to ", plan.total(),
+                     " samples but is for batches of plan_batch_size=", *plan_batch_size));
+  }
+  return absl::OkStatus();
+}
+
+// The plan a batch of `batch` samples runs: the op's own, or none (undivided) for a batch of
+// another size than plan_batch_size, where that is given.
+inline const MicroBatchPlan& PlanFor(const MicroBatchPlan& plan, int64_t plan_batch_size,
+                                     int64_t batch) {
+  static const MicroBatchPlan* const kUndivided = new MicroBatchPlan();
+  return plan_batch_size >= 0 && batch != plan_batch_size ? *kUndivided : plan;
+}
+
 inline std::vector<int64_t> Dims(const tensorflow::TensorShape& shape) {
   std::vector<int64_t> dims;
   for (int i = 0; i < shape.dims(); ++i) dims.push_back(shape.dim_size(i));
@@ -47,6 +68,7 @@ class UcudnnConvOp : public tensorflow::OpKernel {
     absl::Status status = ReadConvAttrs(ctx, kNumSpatialDims, &attrs_);
     OP_REQUIRES(ctx, status.ok(), Describe(status));
     status = ReadPlanAttrs(ctx, kKernel, OwnPlanAttrs(), &plan_);
+    if (status.ok()) status = ReadPlanBatchSize(ctx, plan_, &plan_batch_size_);
     // The message already shows the rejected plan; plan_ itself stayed empty.
     OP_REQUIRES(ctx, status.ok(),
                 absl::Status(status.code(), absl::StrCat(type_string(), " '", name(), "' (",
@@ -94,7 +116,8 @@ class UcudnnConvOp : public tensorflow::OpKernel {
     OP_REQUIRES(ctx, status.ok(), Describe(status));
 
     std::vector<MicroBatch> micro_batches;
-    status = plan_.Resolve(geometry.batch, &micro_batches);
+    status = PlanFor(plan_, plan_batch_size_, geometry.batch)
+                 .Resolve(geometry.batch, &micro_batches);
     OP_REQUIRES(ctx, status.ok(), Describe(status));
 
     std::vector<int64_t> result_dims;
@@ -162,6 +185,7 @@ class UcudnnConvOp : public tensorflow::OpKernel {
 
   ConvAttrs attrs_;
   MicroBatchPlan plan_;
+  int64_t plan_batch_size_ = -1;
 };
 
 }  // namespace tf_ucudnn

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cc/kernels/conv_op_kernel.h"
+#include "cc/kernels/conv_resources.h"
 #include "cc/kernels/cudnn_support.h"
 #include "cc/kernels/strided_copy.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -228,22 +229,28 @@ template <typename T>
 class CudnnConvolution {
  public:
   // `buffers` are the op's tensors; Run writes the one its kernel computes, Profile none.
-  CudnnConvolution(tensorflow::OpKernelContext* ctx, ConvKernel kernel, const ConvGeometry& g,
+  CudnnConvolution(ConvResources* resources, ConvKernel kernel, const ConvGeometry& g,
                    ConvBuffers<T> buffers)
-      : ctx_(ctx), kernel_(kernel), g_(g), buffers_(buffers) {}
+      : resources_(resources), kernel_(kernel), g_(g), buffers_(buffers) {}
+
+  // Resolves each micro-batch's call (its algorithm made explicit) and the device memory the
+  // calls need together, without running anything: an XLA custom call is sized this way when it
+  // is compiled. Needs no buffers; the current device is the one planned for.
+  absl::Status Prepare(const std::vector<MicroBatch>& micro_batches,
+                       std::vector<ResolvedCall>* calls, size_t* scratch_bytes) {
+    micro_batches_ = micro_batches;
+    size_t workspace_bytes = 0;
+    TF_RETURN_IF_ERROR(ResolveAll(calls, &workspace_bytes));
+    *scratch_bytes = PackedBytes(BufferSizes(workspace_bytes));
+    return absl::OkStatus();
+  }
 
   absl::Status Run(const std::vector<MicroBatch>& micro_batches) {
     micro_batches_ = micro_batches;
     if (micro_batches_.empty()) return ZeroResultOfEmptyBatch();
-    TF_RETURN_IF_ERROR(Begin());
     std::vector<ResolvedCall> calls;
     size_t workspace_bytes = 0;
-    for (size_t i = 0; i < micro_batches_.size(); ++i) {
-      ResolvedCall call;
-      TF_RETURN_IF_ERROR(CachedResolve(i, &call));
-      workspace_bytes = std::max(workspace_bytes, call.workspace);
-      calls.push_back(call);
-    }
+    TF_RETURN_IF_ERROR(ResolveAll(&calls, &workspace_bytes));
     TF_RETURN_IF_ERROR(AllocateBuffers(workspace_bytes));
     if (kernel_ != ConvKernel::kBackpropFilter) TF_RETURN_IF_ERROR(FilterToCudnnLayout());
     for (size_t i = 0; i < micro_batches_.size(); ++i) {
@@ -269,19 +276,13 @@ class CudnnConvolution {
     if (micro_batches_.empty()) return absl::OkStatus();
     TF_RETURN_IF_ERROR(Begin());
     TF_RETURN_IF_ERROR(AllocateBuffers(workspace_limit));
-    const auto dtype = tensorflow::DataTypeToEnum<T>::value;
     int64_t largest = 0;
     for (int64_t size : sizes) largest = std::max(largest, size);
     // Results go to scratch; operands are copied where cuDNN needs another layout or padding.
-    tensorflow::Tensor scratch;
     if (kernel_ == ConvKernel::kForward && !transposed_) {
-      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({largest * g_.OutputSampleSize()}), &scratch));
-      buffers_.output = scratch.flat<T>().data();
+      TF_RETURN_IF_ERROR(AllocateElements(largest * g_.OutputSampleSize(), &buffers_.output));
     } else if (kernel_ == ConvKernel::kBackpropInput && !needs_input_copy_) {
-      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({largest * g_.InputSampleSize()}), &scratch));
-      buffers_.input = scratch.flat<T>().data();
+      TF_RETURN_IF_ERROR(AllocateElements(largest * g_.InputSampleSize(), &buffers_.input));
     }
     if (kernel_ != ConvKernel::kBackpropFilter) TF_RETURN_IF_ERROR(FilterToCudnnLayout());
     T* cudnn_input = needs_input_copy_ ? CudnnInput() : buffers_.input;
@@ -294,7 +295,7 @@ class CudnnConvolution {
           Copy(OutputCopy(largest, /*to_cudnn=*/true), buffers_.output, cudnn_output));
     }
     TF_RETURN_IF_ERROR(conv_desc_.SetMath(TensorFlowMath(kData)));
-    void* workspace = workspace_limit > 0 ? workspace_.flat<uint8_t>().data() : nullptr;
+    void* workspace = workspace_limit > 0 ? workspace_ : nullptr;
     for (int64_t size : sizes) {
       SizeDescriptors* d;
       TF_RETURN_IF_ERROR(Descriptors(size, &d));
@@ -309,19 +310,35 @@ class CudnnConvolution {
   static constexpr cudnnDataType_t kData = CudnnTypes<T>::kData;
 
   absl::Status Begin() {
-    stream_ = ctx_->eigen_gpu_device().stream();
-    TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.filter, &device_));
+    stream_ = resources_->stream();
+    if (buffers_.filter != nullptr) {
+      TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.filter, &device_));
+    } else {
+      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device_), "cudaGetDevice");
+    }
     TF_RETURN_IF_ERROR(scoped_device_.Enter(device_));
     TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
     return DescribeConvolution();
+  }
+
+  absl::Status ResolveAll(std::vector<ResolvedCall>* calls, size_t* workspace_bytes) {
+    TF_RETURN_IF_ERROR(Begin());
+    calls->clear();
+    *workspace_bytes = 0;
+    for (size_t i = 0; i < micro_batches_.size(); ++i) {
+      ResolvedCall call;
+      TF_RETURN_IF_ERROR(CachedResolve(i, &call));
+      *workspace_bytes = std::max(*workspace_bytes, call.workspace);
+      calls->push_back(call);
+    }
+    return absl::OkStatus();
   }
 
   // A mini-batch of zero samples still has a (zero) filter gradient.
   absl::Status ZeroResultOfEmptyBatch() {
     if (kernel_ != ConvKernel::kBackpropFilter || g_.FilterSize() == 0) return absl::OkStatus();
     TF_UCUDNN_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(buffers_.filter, 0, g_.FilterSize() * sizeof(T),
-                        ctx_->eigen_gpu_device().stream()),
+        cudaMemsetAsync(buffers_.filter, 0, g_.FilterSize() * sizeof(T), resources_->stream()),
         "cudaMemsetAsync");
     return absl::OkStatus();
   }
@@ -594,33 +611,40 @@ class CudnnConvolution {
     return absl::OkStatus();
   }
 
-  absl::Status AllocateBuffers(size_t workspace_bytes) {
-    if (workspace_bytes > 0) {
-      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          tensorflow::DT_UINT8, tensorflow::TensorShape({static_cast<int64_t>(workspace_bytes)}),
-          &workspace_));
-    }
-    const auto dtype = tensorflow::DataTypeToEnum<T>::value;
-    TF_RETURN_IF_ERROR(
-        ctx_->allocate_temp(dtype, tensorflow::TensorShape({g_.FilterSize()}), &cudnn_filter_));
+  // Bytes of the workspace, cuDNN's copy of the filter, the padded (or transposed) input and the
+  // transposed output, in the order AllocateBuffers takes them.
+  std::vector<size_t> BufferSizes(size_t workspace_bytes) const {
     int64_t largest = 0;
     for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
-    if (needs_input_copy_) {
-      int64_t padded_sample = g_.in_channels;
-      for (int64_t dim : padded_spatial_) padded_sample *= dim;
-      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({largest * padded_sample}), &cudnn_input_));
-    }
-    if (transposed_) {
-      TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-          dtype, tensorflow::TensorShape({largest * g_.OutputSampleSize()}), &cudnn_output_));
+    int64_t padded_sample = g_.in_channels;
+    for (int64_t dim : padded_spatial_) padded_sample *= dim;
+    return {workspace_bytes, g_.FilterSize() * sizeof(T),
+            needs_input_copy_ ? largest * padded_sample * sizeof(T) : 0,
+            transposed_ ? largest * g_.OutputSampleSize() * sizeof(T) : 0};
+  }
+
+  absl::Status AllocateBuffers(size_t workspace_bytes) {
+    const std::vector<size_t> sizes = BufferSizes(workspace_bytes);
+    void** buffers[] = {&workspace_, reinterpret_cast<void**>(&cudnn_filter_),
+                        reinterpret_cast<void**>(&cudnn_input_),
+                        reinterpret_cast<void**>(&cudnn_output_)};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      *buffers[i] = nullptr;
+      if (sizes[i] > 0) TF_RETURN_IF_ERROR(resources_->Allocate(sizes[i], buffers[i]));
     }
     return absl::OkStatus();
   }
 
-  T* CudnnFilter() { return cudnn_filter_.flat<T>().data(); }
-  T* CudnnInput() { return cudnn_input_.flat<T>().data(); }
-  T* CudnnOutput() { return cudnn_output_.flat<T>().data(); }
+  absl::Status AllocateElements(int64_t elements, T** memory) {
+    void* allocated = nullptr;
+    TF_RETURN_IF_ERROR(resources_->Allocate(elements * sizeof(T), &allocated));
+    *memory = static_cast<T*>(allocated);
+    return absl::OkStatus();
+  }
+
+  T* CudnnFilter() { return cudnn_filter_; }
+  T* CudnnInput() { return cudnn_input_; }
+  T* CudnnOutput() { return cudnn_output_; }
 
   absl::Status Copy(const StridedCopy& copy, const T* src, T* dst) {
     TF_UCUDNN_RETURN_IF_CUDA_ERROR(LaunchStridedCopy(copy, src, dst, sizeof(T), stream_),
@@ -683,7 +707,7 @@ class CudnnConvolution {
     if (transposed_ && kernel_ != ConvKernel::kForward) {
       TF_RETURN_IF_ERROR(Copy(OutputCopy(mb.size, /*to_cudnn=*/true), output, cudnn_output));
     }
-    void* workspace = call.workspace > 0 ? workspace_.flat<uint8_t>().data() : nullptr;
+    void* workspace = call.workspace > 0 ? workspace_ : nullptr;
     const Scale one = 1, zero = 0;
     // Filter gradients of all micro-batches add up in place.
     const Scale* beta = kernel_ == ConvKernel::kBackpropFilter && index > 0 ? &one : &zero;
@@ -710,7 +734,7 @@ class CudnnConvolution {
         break;
     }
     if (LogCalls()) {
-      LOG(INFO) << ctx_->op_kernel().type_string() << " '" << ctx_->op_kernel().name() << "' "
+      LOG(INFO) << resources_->label() << " "
                 << KernelName(kernel_) << " cuDNN call " << index + 1 << "/"
                 << micro_batches_.size() << ": " << mb.size << " samples at " << mb.offset
                 << ", algo=" << call.algo << ",math=" << MathName(call.math) << ", workspace "
@@ -731,7 +755,7 @@ class CudnnConvolution {
     return absl::OkStatus();
   }
 
-  tensorflow::OpKernelContext* ctx_;
+  ConvResources* resources_;
   const ConvKernel kernel_;
   const ConvGeometry& g_;
   ConvBuffers<T> buffers_;
@@ -748,10 +772,10 @@ class CudnnConvolution {
   bool cudnn_channels_last_ = false;  // the layout cuDNN sees
   bool transposed_ = false;           // ... differs from the op's
   bool needs_input_copy_ = false;     // padded or transposed input
-  tensorflow::Tensor workspace_;
-  tensorflow::Tensor cudnn_filter_;
-  tensorflow::Tensor cudnn_input_;
-  tensorflow::Tensor cudnn_output_;
+  void* workspace_ = nullptr;
+  T* cudnn_filter_ = nullptr;
+  T* cudnn_input_ = nullptr;
+  T* cudnn_output_ = nullptr;
 };
 
 
@@ -759,6 +783,32 @@ class CudnnConvolution {
 
 using cudnn_internal::AlgorithmMeasurement;
 using cudnn_internal::CudnnConvolution;
+using cudnn_internal::ResolvedCall;
+
+// Runs a plan's micro-batches, each one cuDNN call; the op kernels and the XLA custom call alike.
+template <typename T>
+absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
+                            const ConvGeometry& geometry,
+                            const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> buffers) {
+  // Zero-sized dims leave nothing for cuDNN to compute; the result is zeros (or empty).
+  if (geometry.FilterSize() == 0 || geometry.InputSampleSize() == 0 ||
+      geometry.OutputSampleSize() == 0) {
+    const int64_t elements =
+        kernel == ConvKernel::kForward
+            ? geometry.batch * geometry.OutputSampleSize()
+            : kernel == ConvKernel::kBackpropInput ? geometry.batch * geometry.InputSampleSize()
+                                                   : geometry.FilterSize();
+    T* result = kernel == ConvKernel::kForward         ? buffers.output
+                : kernel == ConvKernel::kBackpropInput ? buffers.input
+                                                       : buffers.filter;
+    if (elements == 0) return absl::OkStatus();
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(result, 0, elements * sizeof(T), resources->stream()),
+        "cudaMemsetAsync");
+    return absl::OkStatus();
+  }
+  return CudnnConvolution<T>(resources, kernel, geometry, buffers).Run(micro_batches);
+}
 
 }  // namespace tf_ucudnn
 

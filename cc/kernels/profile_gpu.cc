@@ -40,7 +40,8 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
       const ConvBuffers<T> buffers{const_cast<T*>(input.flat<T>().data()),
                                    const_cast<T*>(filter.flat<T>().data()),
                                    const_cast<T*>(out_backprop.flat<T>().data())};
-      status = CudnnConvolution<T>(ctx, kernel_, geometry, buffers)
+      OpKernelResources resources(ctx);
+      status = CudnnConvolution<T>(&resources, kernel_, geometry, buffers)
                    .Profile(batch_sizes_, workspace_limit_, &measurements);
     }
     OP_REQUIRES(ctx, status.ok(),

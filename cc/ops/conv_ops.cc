@@ -1,5 +1,7 @@
 // Micro-batched convolution ops. Each mirrors a TensorFlow op (inputs, outputs, attributes and
-// shape function) and adds the plan that splits its mini-batch:
+// shape function) and adds the plan that splits its mini-batch. A plan is made for one batch size;
+// another is an error, unless plan_batch_size names the plan's: then other batches (the last,
+// partial one of an epoch) run undivided, the algorithm chosen at run time or by XLA.
 //
 //   UcudnnConv2D                  <- Conv2D
 //   UcudnnConv2DBackpropInput     <- Conv2DBackpropInput
@@ -24,6 +26,9 @@ using ::tensorflow::shape_inference::ShapeHandle;
 // right there, not when the step runs.
 absl::Status CheckPlanBatch(InferenceContext* c, ConvKernel kernel, PlanAttrNames names,
                             DimensionHandle batch) {
+  int64_t plan_batch_size = -1;
+  TF_RETURN_IF_ERROR(c->GetAttr("plan_batch_size", &plan_batch_size));
+  if (plan_batch_size >= 0) return absl::OkStatus();  // other batches run undivided
   MicroBatchPlan plan;
   TF_RETURN_IF_ERROR(ReadPlanAttrs(c, kernel, names, &plan));
   if (!plan.empty() && c->ValueKnown(batch) && plan.total() != c->Value(batch)) {
@@ -107,7 +112,8 @@ absl::Status BackpropShape(InferenceContext* c, int nd, ConvKernel kernel) {
       .Attr("data_format: " formats)                          \
       .Attr("dilations: list(int) = " dilations)              \
       .Attr("micro_batches: list(int) = []")                  \
-      .Attr("algorithms: list(string) = []")
+      .Attr("algorithms: list(string) = []")                  \
+      .Attr("plan_batch_size: int = -1")
 
 #define UCUDNN_GRADIENT_PLAN_ATTRS                         \
   .Attr("backprop_input_micro_batches: list(int) = []")   \

@@ -81,13 +81,16 @@ class RewriteReport:
     # With it, a tf_ucudnn.memory.planner.PrefixStepPlan: the ops run in micro-batches, if any,
     # and the choices passed over.
     memory_prefix: Optional[object] = None
+    # A tf_ucudnn.callback.StepTrial: the XLA-compiled step timed with the plans and without.
+    trial: Optional[object] = None
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
                 "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
                 "spatial": [item.to_json() for item in self.spatial],
                 "memory": self.memory.to_json() if self.memory else None,
-                "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None}
+                "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
+                "trial": self.trial.to_json() if self.trial else None}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -106,12 +109,18 @@ class RewriteReport:
             lines.append(self.memory.to_text())
         if self.memory_prefix and self.memory_prefix.cut:
             lines.append(self.memory_prefix.to_text())
+        if self.trial:
+            lines.append(self.trial.to_text())
         return "\n".join(lines)
 
 
-def _replace(node, kernel_plan: KernelPlan, extra: Optional[dict] = None) -> None:
+def _replace(node, kernel_plan: KernelPlan, batch_size: int,
+             extra: Optional[dict] = None) -> None:
     node.op = REPLACEMENTS[node.op][0]
     node.attr.pop("use_cudnn_on_gpu", None)
+    # Plans are made for the traced batch; a graph that sees another (XLA compiling both branches
+    # of the converter's batch check) runs it undivided.
+    node.attr["plan_batch_size"].i = batch_size
     if kernel_plan.workspace_bytes is not None:
         node.attr[WORKSPACE_ATTR].i = kernel_plan.workspace_bytes
     attrs = dict(kernel_plan.attrs())
@@ -189,10 +198,10 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
         gradient_plans = {f"backprop_input_{k}": v for k, v in plan.backprop_input.attrs().items()}
         gradient_plans.update({f"backprop_filter_{k}": v
                                for k, v in plan.backprop_filter.attrs().items()})
-        _replace(by_name[forward.name], plan.forward, gradient_plans)
+        _replace(by_name[forward.name], plan.forward, layer.batch_size, gradient_plans)
         for kernel in (BACKPROP_INPUT, BACKPROP_FILTER):
             if kernel in nodes:
-                _replace(by_name[nodes[kernel]], plan.kernel(kernel))
+                _replace(by_name[nodes[kernel]], plan.kernel(kernel), layer.batch_size)
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
 

@@ -404,6 +404,8 @@ def _fit_plan(node, size: int) -> None:
             left -= kept[-1]
         node.attr[key].list.i[:] = kept
         del algorithms[len(kept):]
+    if "plan_batch_size" in node.attr and node.attr["plan_batch_size"].i >= 0:
+        node.attr["plan_batch_size"].i = size  # the plans are for micro-batches of `size` now
 
 
 def _ancestors(op: tf.Operation) -> set:
