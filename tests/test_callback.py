@@ -436,8 +436,8 @@ def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned
     else:
         assert callback.report.layers == []
         measured = [item for item in callback.report.left_alone if item.reason.startswith(
-            "measured: the step compiled with the plans took 10.00 ms, with XLA's own "
-            "convolutions 5.00 ms")]
+            "measured: the step with the plans took 10.00 ms, with XLA's own convolutions "
+            "5.00 ms")]
         assert len(measured) == 3
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -457,3 +457,16 @@ def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
     _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), trial_steps=0, verbose=0)],
          epochs=1, jit_compile=True)
     assert len(retraces) == 3
+
+
+def test_without_xla_the_step_trial_weighs_the_plans_against_tensorflows_convolutions(monkeypatch):
+    import tf_ucudnn.callback as callback_module
+    monkeypatch.setattr(callback_module, "time", _FakeClock([1.0] + [0.010] * 2 + [0.005] * 2))
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
+    model, _ = _fit(_vgg_style, [callback], jit_compile=False)
+    assert callback.report.trial.kept == "TensorFlow's own convolutions"
+    measured = [item.reason for item in callback.report.left_alone
+                if item.reason.startswith("measured")]
+    assert not callback.report.layers and len(measured) == 3
+    assert all("with TensorFlow's own convolutions 5.00 ms" in reason for reason in measured)
+    assert all("convolution_op" not in vars(layer) for layer in model.layers)

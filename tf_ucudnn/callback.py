@@ -9,10 +9,10 @@ plans, and has Keras build its train, test and predict functions again. An input
 back, so the model is plain again for whatever follows.
 
 Where Keras compiles the step with XLA (its default on a GPU), it still does: tf_ucudnn's ops
-compile to XLA custom calls. A layer is then planned only where the profiles predict its plan
-faster than XLA's own convolution, and if any is, a few steps are timed with the plans and as
-Keras compiled it before them; the faster step is kept, so the callback never leaves training
-slower than Keras's own step. If no layer is planned, Keras's compiled step goes on unchanged.
+compile to XLA custom calls, and a layer is planned only where the profiles predict its plan
+faster than XLA's own convolution. If any layer is planned, a few steps are timed with the plans
+and as Keras made the step before them, and the faster step is kept, so the callback does not
+leave training slower than Keras's own step. If none is, Keras's step goes on unchanged.
 
 Under a memory budget the first step may not fit as it is, so none runs unplanned: the first call
 of the train function takes the first batch from the data, traces the step at its shape (each
@@ -64,13 +64,14 @@ class _PatchedLayer:
 
 @dataclasses.dataclass
 class StepTrial:
-    """The XLA-compiled step timed with the plans and as Keras compiled it before them (XLA's own
-    convolutions), median milliseconds of `steps` steps each, and which one training kept."""
+    """The training step timed with the plans and as Keras made it before them (with `own`, the
+    convolutions XLA or TensorFlow run), `steps` steps each, and which one training kept."""
 
     steps: int
+    own: str  # "XLA's own convolutions" where XLA compiles the step, else TensorFlow's
     planned_ms: list = dataclasses.field(default_factory=list)
     unplanned_ms: list = dataclasses.field(default_factory=list)
-    kept: Optional[str] = None  # "plans" or "XLA's own convolutions", once decided
+    kept: Optional[str] = None  # "plans" or `own`, once decided
 
     @property
     def planned_median_ms(self) -> Optional[float]:
@@ -81,7 +82,7 @@ class StepTrial:
         return statistics.median(self.unplanned_ms) if self.unplanned_ms else None
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "planned_ms": self.planned_ms,
+        return {"steps": self.steps, "own": self.own, "planned_ms": self.planned_ms,
                 "unplanned_ms": self.unplanned_ms, "kept": self.kept}
 
     def to_text(self) -> str:
@@ -89,7 +90,7 @@ class StepTrial:
             return (f"  step trial unfinished: {len(self.planned_ms)} planned and "
                     f"{len(self.unplanned_ms)} unplanned step(s) of {self.steps} timed")
         return (f"  step trial: {self.planned_median_ms:.2f} ms with the plans, "
-                f"{self.unplanned_median_ms:.2f} ms with XLA's own convolutions "
+                f"{self.unplanned_median_ms:.2f} ms with {self.own} "
                 f"(median of {self.steps}); kept {self.kept}")
 
 
@@ -132,9 +133,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         micro-batches (`tf_ucudnn.memory.streamed_conv_bn`), which lowers the backward pass's
         peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
         are TensorFlow's convolutions, so this needs `workspace_limit=None`.
-      trial_steps: where XLA compiles the step and some layer is planned, how many steps to
-        time with the plans and as Keras compiled it (XLA's own convolutions) before keeping the
-        faster; 0 keeps the plans on the profiles' prediction alone.
+      trial_steps: where some layer is planned, how many steps to time with the plans and as
+        Keras made the step before them (XLA's or TensorFlow's own convolutions) before keeping
+        the faster; 0 keeps the plans without timing them.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
@@ -237,8 +238,10 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 if self.report.layers:
                     unplanned = self.model.train_function
                     self._retrace()
-                    if self.model.jit_compile and self.trial_steps:
-                        self._trial = _Trial(StepTrial(self.trial_steps), unplanned,
+                    if self.trial_steps:
+                        own = ("XLA's own convolutions" if self.model.jit_compile else
+                               "TensorFlow's own convolutions")
+                        self._trial = _Trial(StepTrial(self.trial_steps, own), unplanned,
                                              self.model.train_function)
                         self.report.trial = self._trial.result
                 # With no layer planned, the step as compiled goes on: tracing it again would
@@ -445,10 +448,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
             result.kept = "plans"
             self.model.train_function = self._guarded(trial.planned)
         else:
-            result.kept = "XLA's own convolutions"
-            reason = (f"measured: the step compiled with the plans took "
-                      f"{result.planned_median_ms:.2f} ms, with XLA's own convolutions "
-                      f"{result.unplanned_median_ms:.2f} ms")
+            result.kept = result.own
+            reason = (f"measured: the step with the plans took {result.planned_median_ms:.2f} "
+                      f"ms, with {result.own} {result.unplanned_median_ms:.2f} ms")
             self.report.left_alone += [LeftAlone(item.layer.name, "", reason)
                                        for item in self.report.layers]
             self.report.layers = []
