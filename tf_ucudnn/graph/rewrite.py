@@ -81,7 +81,7 @@ class RewriteReport:
     # With it, a tf_ucudnn.memory.planner.PrefixStepPlan: the ops run in micro-batches, if any,
     # and the choices passed over.
     memory_prefix: Optional[object] = None
-    # A tf_ucudnn.callback.StepTrial: the XLA-compiled step timed with the plans and without.
+    # A tf_ucudnn.callback.StepTrial: the training step timed with the plans and without.
     trial: Optional[object] = None
 
     def to_json(self) -> dict:
