@@ -118,6 +118,7 @@ class DatabasePlanner:
                              "or both")
         self.workspace_budget_bytes = workspace_budget_bytes
         self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
+        self._tables: dict[ConvLayer, Union[dict, str]] = {}
 
     @classmethod
     def open(cls, workspace_limit: Union[int, str, None] = None,
@@ -153,7 +154,13 @@ class DatabasePlanner:
         self.close()
 
     def _timings(self, layer: ConvLayer) -> Union[dict, str]:
-        """kernel -> timing table of the layer, or why there is none."""
+        """kernel -> timing table of the layer, or why there is none; read (and measured) once
+        per layer, as planning and predicting a layer both need them."""
+        if layer not in self._tables:
+            self._tables[layer] = self._read_timings(layer)
+        return self._tables[layer]
+
+    def _read_timings(self, layer: ConvLayer) -> Union[dict, str]:
         geometry = layer.cudnn_geometry()
         if self.measure:
             profile([(geometry, layer.name)], layer.batch_size, self.database, progress=False)

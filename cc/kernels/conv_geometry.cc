@@ -247,6 +247,18 @@ std::vector<int64_t> ConvGeometry::FilterShape() const {
   return shape;
 }
 
+std::vector<int64_t> ConvGeometry::ResultShape(ConvKernel kernel) const {
+  switch (kernel) {
+    case ConvKernel::kForward:
+      return OutputShape(batch);
+    case ConvKernel::kBackpropInput:
+      return InputShape(batch);
+    case ConvKernel::kBackpropFilter:
+      return FilterShape();
+  }
+  return {};
+}
+
 std::string ConvGeometry::DebugString() const {
   return absl::StrCat("input ", ShapeString(InputShape(batch)), ", filter ",
                       ShapeString(FilterShape()), ", output ", ShapeString(OutputShape(batch)),

@@ -79,6 +79,8 @@ struct ConvGeometry {
   std::vector<int64_t> InputShape(int64_t batch_size) const;
   std::vector<int64_t> OutputShape(int64_t batch_size) const;
   std::vector<int64_t> FilterShape() const;
+  // The shape of what `kernel` computes: the output, the input's gradient or the filter's.
+  std::vector<int64_t> ResultShape(ConvKernel kernel) const;
 
   std::string DebugString() const;
 

@@ -120,20 +120,9 @@ class UcudnnConvOp : public tensorflow::OpKernel {
                  .Resolve(geometry.batch, &micro_batches);
     OP_REQUIRES(ctx, status.ok(), Describe(status));
 
-    std::vector<int64_t> result_dims;
-    switch (kKernel) {
-      case ConvKernel::kForward:
-        result_dims = geometry.OutputShape(geometry.batch);
-        break;
-      case ConvKernel::kBackpropInput:
-        result_dims = input_shape;
-        break;
-      case ConvKernel::kBackpropFilter:
-        result_dims = filter_shape;
-        break;
-    }
     tensorflow::Tensor* result = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape(result_dims), &result));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, tensorflow::TensorShape(geometry.ResultShape(kKernel)), &result));
 
     ConvBuffers<T> buffers{};
     switch (kKernel) {

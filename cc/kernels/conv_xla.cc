@@ -40,6 +40,9 @@ std::string MlirString(const std::string& text) {
 
 template <ConvKernel kKernel, int kNumSpatialDims>
 class UcudnnConvXlaOp : public tensorflow::XlaOpKernel {
+  // The first input of type T (the others before it are shapes).
+  static constexpr int kTypedInput = kKernel == ConvKernel::kBackpropInput ? 1 : 0;
+
  public:
   explicit UcudnnConvXlaOp(tensorflow::OpKernelConstruction* ctx) : XlaOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ReadConvAttrs(ctx, kNumSpatialDims, &attrs_));
@@ -99,12 +102,12 @@ class UcudnnConvXlaOp : public tensorflow::XlaOpKernel {
                                      status.message()));
   }
 
-  // The operand that holds the batch's samples, sliced per micro-batch: the input, or for the
-  // input's gradient, the output's.
+  // One HLO convolution per micro-batch, each on its slice of the batch: of the input, or for the
+  // input's gradient, of the output's gradient.
   absl::StatusOr<xla::XlaOp> Convolutions(XlaOpKernelContext* ctx, const ConvGeometry& g,
                                           const std::vector<MicroBatch>& micro_batches) {
     const std::string type = type_string();
-    const xla::PrimitiveType element = ctx->input_xla_type(kKernel == ConvKernel::kBackpropInput ? 1 : 0);
+    const xla::PrimitiveType element = ctx->input_xla_type(kTypedInput);
     auto slice = [](xla::XlaOp operand, const MicroBatch& mb) {
       return xla::SliceInDim(operand, mb.offset, mb.offset + mb.size, 1, /*dimno=*/0);
     };
@@ -161,27 +164,16 @@ class UcudnnConvXlaOp : public tensorflow::XlaOpKernel {
   absl::StatusOr<xla::XlaOp> CustomCall(XlaOpKernelContext* ctx, const ConvGeometry& g,
                                         const std::vector<MicroBatch>& micro_batches) {
 #if GOOGLE_CUDA
-    const int typed_input = kKernel == ConvKernel::kBackpropInput ? 1 : 0;
     ConvCustomCall call;
-    TF_RETURN_IF_ERROR(PlanConvCustomCall(ctx->input_type(typed_input), kKernel, g,
+    TF_RETURN_IF_ERROR(PlanConvCustomCall(ctx->input_type(kTypedInput), kKernel, g,
                                           micro_batches, Label(), &call));
-    std::vector<int> operands;
-    std::vector<int64_t> result_dims;
-    switch (kKernel) {
-      case ConvKernel::kForward:
-        operands = {0, 1};
-        result_dims = g.OutputShape(g.batch);
-        break;
-      case ConvKernel::kBackpropInput:
-        operands = {1, 2};
-        result_dims = g.InputShape(g.batch);
-        break;
-      case ConvKernel::kBackpropFilter:
-        operands = {0, 2};
-        result_dims = g.FilterShape();
-        break;
-    }
-    const xla::PrimitiveType element = ctx->input_xla_type(typed_input);
+    // The tensors, not the shapes: forward (input, filter), backprop input (filter, gradient),
+    // backprop filter (input, gradient).
+    const std::vector<int> operands =
+        kKernel == ConvKernel::kForward ? std::vector<int>{0, 1}
+        : kKernel == ConvKernel::kBackpropInput ? std::vector<int>{1, 2}
+                                                : std::vector<int>{0, 2};
+    const xla::PrimitiveType element = ctx->input_xla_type(kTypedInput);
     std::vector<xla::XlaOp> operand_ops;
     std::vector<xla::Shape> operand_shapes;
     for (int index : operands) {
@@ -190,7 +182,7 @@ class UcudnnConvXlaOp : public tensorflow::XlaOpKernel {
           xla::ShapeUtil::MakeShapeWithDescendingLayout(element, Dims(ctx->InputShape(index))));
     }
     const xla::Shape result_shape = xla::ShapeUtil::MakeTupleShape(
-        {xla::ShapeUtil::MakeShapeWithDescendingLayout(element, result_dims),
+        {xla::ShapeUtil::MakeShapeWithDescendingLayout(element, g.ResultShape(kKernel)),
          xla::ShapeUtil::MakeShapeWithDescendingLayout(
              xla::U8, {static_cast<int64_t>(call.scratch_bytes)})});
     xla::XlaOp results = xla::CustomCallWithLayout(
