@@ -12,7 +12,7 @@ background_start() {
     echo "a run is already going (pid $(cat "$run/pid"))"; return 2; }
   rm -rf "$run" && mkdir -p "$run"
   . .ci/gpu-env.sh > "$run/env.log" 2>&1
-  cp -r benchmarks tf_ucudnn "$run"/
+  cp -r benchmarks tf_ucudnn tests pyproject.toml "$run"/
   # The pid is written from inside the new session: setsid forks, so $! would be setsid's own,
   # gone while the run goes on.
   (cd "$run" && CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONPATH="$run:$PYTHONPATH" \

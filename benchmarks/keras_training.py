@@ -1,7 +1,8 @@
 """Training throughput of Keras models under `model.fit`, plain and with tf_ucudnn's callback, on
 synthetic data: images per second of the epochs after the first (which holds tracing, XLA
 compilation, and the callback's profiling and planning), the first epoch's seconds, and the
-device's peak memory over the whole run and over the later epochs alone.
+device's peak memory over the whole run and over the later epochs alone. With `--trace-peak`, one
+step after the timed epochs runs under TensorFlow's profiler, which says what was alive at its peak.
 
 TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process, so each configuration is a run
 of this script, and `combine` puts their results side by side, each against the baseline
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Optional
@@ -34,6 +36,7 @@ import tf_ucudnn
 from tf_ucudnn import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine
+from tf_ucudnn.profiling.step_trace import alive_at_peak, read_profile
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -70,6 +73,39 @@ class EpochTimer(keras.callbacks.Callback):
             self.peak_bytes = max(self.peak_bytes or 0, peak)
 
 
+class PeakTrace(keras.callbacks.Callback):
+    """Profiles the first step of epoch `epoch` and replays the device allocator's events: the
+    step's peak, and what was alive then, summed by the last part of the allocating op's name
+    (its type, where TensorFlow named the op)."""
+
+    def __init__(self, epoch: int, logdir: str):
+        super().__init__()
+        self.epoch, self.logdir = epoch, logdir
+        self.result = None
+        self._epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._epoch == self.epoch and batch == 0:
+            tf.profiler.experimental.start(self.logdir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch != self.epoch or batch != 0:
+            return
+        tf.profiler.experimental.stop()
+        alive = alive_at_peak(read_profile(self.logdir), device_allocator=True, top=100000)
+        by_type = {}
+        for buffer in alive["largest_alive"]:
+            op_type = re.sub(r"_\d+$", "", buffer["op"].rsplit("/", 1)[-1]) or "(no op)"
+            by_type[op_type] = by_type.get(op_type, 0) + buffer["bytes"]
+        self.result = {
+            "peak_bytes": alive["peak_bytes"], "peak_op": alive["peak_op"],
+            "alive_bytes_by_op_type": dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:25]),
+            "largest_alive": alive["largest_alive"][:25]}
+
+
 def _train(name: str, args) -> dict:
     keras.utils.set_random_seed(0)
     model = models.load_model(name)
@@ -86,6 +122,11 @@ def _train(name: str, args) -> dict:
         tf.config.experimental.reset_memory_stats(device)
     timer = EpochTimer(device)
     callbacks = [timer]
+    trace = None
+    if args.trace_peak:
+        # An epoch beyond the timed ones, so the profiler slows no timed step.
+        trace = PeakTrace(args.epochs, os.path.join(args.trace_dir, f"{args.label}_{name}"))
+        callbacks.append(trace)
     planner = None
     if args.callback:
         with ProfileDatabase(args.database) as database:
@@ -96,12 +137,12 @@ def _train(name: str, args) -> dict:
                                                profiles=args.profiles,
                                                trial_steps=args.trial_steps)
         callbacks.insert(0, planner)
-    model.fit(data, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0, shuffle=False,
-              callbacks=callbacks)
-    steady = timer.seconds[1:]
+    model.fit(data, epochs=args.epochs + bool(trace), steps_per_epoch=args.steps, verbose=0,
+              shuffle=False, callbacks=callbacks)
+    steady = timer.seconds[1:args.epochs]
     result = {
         "img_per_s": args.batch * args.steps / statistics.median(steady),
-        "epoch_seconds": timer.seconds,
+        "epoch_seconds": timer.seconds[:args.epochs],
         "first_epoch_seconds": timer.seconds[0],
         # Seconds from the epoch's start to the end of each of its steps.
         "first_epoch_step_ends": [round(t, 3) for t in timer.first_epoch_steps],
@@ -109,6 +150,8 @@ def _train(name: str, args) -> dict:
         "peak_bytes": timer.peak_bytes,
         "steady_peak_bytes": timer.steady_peak_bytes,
     }
+    if trace:
+        result["peak_trace"] = trace.result
     if planner:
         # Measurements the callback had to make on the GPU (none where the imported profiles
         # held every layer): their time is in the first epoch, their workspace in the peak.
@@ -190,6 +233,9 @@ def main():
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],
                      help="JSON-lines profiles to import first (measured earlier on this GPU)")
+    one.add_argument("--trace-peak", action="store_true",
+                     help="profile one step after the timed epochs: what is alive at its peak")
+    one.add_argument("--trace-dir", default="/tmp/keras_training_traces")
     one.add_argument("--label", required=True)
     one.add_argument("--out", required=True)
     many = commands.add_parser("combine", help="put runs side by side")

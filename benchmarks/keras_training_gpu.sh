@@ -11,6 +11,8 @@
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
+# The two rows without XLA at 64 MiB also profile one step after the timed epochs, to say what is
+# alive at each one's peak. With TESTS=1, the GPU test suite runs after the table.
 # Each call copies the logs and the combined table so far to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ out=${OUT:-gpu-logs}
 mkdir -p "$out"
 
 copy_back() {
-  cp "$run"/*.log "$run"/keras_training.json "$out"/ 2>/dev/null
+  cp "$run"/*.log "$run"/*.json "$out"/ 2>/dev/null
   grep -h " img/s" "$run"/*.log 2>/dev/null | tail -20
   [ -f "$run/table.txt" ] && cat "$run/table.txt"
 }
@@ -32,14 +34,14 @@ configurations() {
     case $config in
       tf_default) limit= ;;
       tf_default_noxla) limit= options=(--jit-compile off) ;;
-      tf_64mib_noxla) options=(--jit-compile off) ;;
+      tf_64mib_noxla) options=(--jit-compile off --trace-peak) ;;
       tf_64mib) ;;
       tf_ucudnn_64mib) options=(--callback 64MiB) ;;
-      tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off) ;;
+      tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
       *) echo "unknown configuration $config"; exit 2 ;;
     esac
     env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
-      --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-15}" \
+      --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-30}" \
       --epochs 3 --database "$run/profiles.sqlite" \
       --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \
       "${options[@]}" --label "$config" --out "$run/$config.json" \
@@ -48,6 +50,9 @@ configurations() {
   python3 benchmarks/keras_training.py combine "$run"/tf_default.json \
     $(ls "$run"/*.json | grep -v "tf_default.json\|keras_training.json") \
     --out "$run/keras_training.json" > "$run/table.txt" 2>&1
+  if [ -n "${TESTS:-}" ]; then
+    timeout 600 python3 -m pytest tests -m gpu -q -p no:cacheprovider > "$run/tests.log" 2>&1
+  fi
 }
 
 case ${1:-} in
