@@ -6,23 +6,26 @@
 #   tf_default_noxla  XLA off
 #   tf_64mib_noxla    XLA off, TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64
 #   tf_64mib          XLA on,  TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64
-#   tf_ucudnn_64mib   MicroBatchCallback("64MiB"), Keras's defaults otherwise
-#   tf_ucudnn_64mib_noxla  the same with XLA off
+#   tf_ucudnn_64mib   MicroBatchCallback("64MiB"), Keras's defaults otherwise (what a user adds)
+#   tf_ucudnn_64mib_noxla  the same with XLA off and TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64 (the layers
+#                     the callback leaves to TensorFlow held to the limit too)
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
 # The two rows without XLA at 64 MiB also profile one step after the timed epochs, to say what is
-# alive at each one's peak. With TESTS=1, the GPU test suite runs after the table.
+# alive at each one's peak. With TESTS set (test paths, "tests" for all), the GPU tests there run
+# after the table.
 # Each call copies the logs and the combined table so far to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/background_run.sh
-run=/tmp/keras_training_run
+run=${RUN_DIR:-/tmp/keras_training_run}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 
 copy_back() {
-  cp "$run"/*.log "$run"/*.json "$out"/ 2>/dev/null
+  # One archive: the device tool brings back only a few files a call.
+  (cd "$run" && tar czf "$out/keras_training_run.tgz" $(ls *.log *.json table.txt 2>/dev/null))
   grep -h " img/s" "$run"/*.log 2>/dev/null | tail -20
   [ -f "$run/table.txt" ] && cat "$run/table.txt"
 }
@@ -36,7 +39,7 @@ configurations() {
       tf_default_noxla) limit= options=(--jit-compile off) ;;
       tf_64mib_noxla) options=(--jit-compile off --trace-peak) ;;
       tf_64mib) ;;
-      tf_ucudnn_64mib) options=(--callback 64MiB) ;;
+      tf_ucudnn_64mib) limit= options=(--callback 64MiB) ;;
       tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
       *) echo "unknown configuration $config"; exit 2 ;;
     esac
@@ -51,7 +54,7 @@ configurations() {
     $(ls "$run"/*.json | grep -v "tf_default.json\|keras_training.json") \
     --out "$run/keras_training.json" > "$run/table.txt" 2>&1
   if [ -n "${TESTS:-}" ]; then
-    timeout 600 python3 -m pytest tests -m gpu -q -p no:cacheprovider > "$run/tests.log" 2>&1
+    timeout 600 python3 -m pytest $TESTS -m gpu -q -p no:cacheprovider > "$run/tests.log" 2>&1
   fi
 }
 

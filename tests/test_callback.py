@@ -419,10 +419,10 @@ class _FakeClock:
 @pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
     (10.0, 5.0, "XLA's own convolutions"), (5.0, 10.0, "plans")])
 def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned_ms, kept):
-    """Two steps timed each way, after the planned step's compiling one; then the faster stays.
+    """Two steps timed each way, after a first one each way that is not; then the faster stays.
     Kept without its plans, every layer is reported left alone with the two times."""
     import tf_ucudnn.callback as callback_module
-    clock = _FakeClock([1.0] + [planned_ms / 1e3] * 2 + [unplanned_ms / 1e3] * 2)
+    clock = _FakeClock([1.0] + [planned_ms / 1e3] * 2 + [1.0] + [unplanned_ms / 1e3] * 2)
     monkeypatch.setattr(callback_module, "time", clock)
     plain, _ = _fit(_vgg_style, [], jit_compile=True)
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
@@ -461,7 +461,8 @@ def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
 
 def test_without_xla_the_step_trial_weighs_the_plans_against_tensorflows_convolutions(monkeypatch):
     import tf_ucudnn.callback as callback_module
-    monkeypatch.setattr(callback_module, "time", _FakeClock([1.0] + [0.010] * 2 + [0.005] * 2))
+    monkeypatch.setattr(callback_module, "time",
+                        _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
     model, _ = _fit(_vgg_style, [callback], jit_compile=False)
     assert callback.report.trial.kept == "TensorFlow's own convolutions"
@@ -470,3 +471,40 @@ def test_without_xla_the_step_trial_weighs_the_plans_against_tensorflows_convolu
     assert not callback.report.layers and len(measured) == 3
     assert all("with TensorFlow's own convolutions 5.00 ms" in reason for reason in measured)
     assert all("convolution_op" not in vars(layer) for layer in model.layers)
+
+
+class _LayoutOptimizerSeen(keras.callbacks.Callback):
+    """Grappler's layout optimizer setting at the end of each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(tf.config.optimizer.get_experimental_options().get("layout_optimizer"))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["tensorflow", "xla"])
+def test_grapplers_layout_optimizer_is_off_while_planned_layers_train_without_xla(jit_compile):
+    """It would transpose every activation around tf_ucudnn's NHWC ops and keep both layouts."""
+    before = tf.config.optimizer.get_experimental_options().get("layout_optimizer")
+    seen = _LayoutOptimizerSeen()
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=0, verbose=0)
+    _fit(_vgg_style, [seen, callback], epochs=1, jit_compile=jit_compile)
+    # The first step runs before planning, as Keras made it.
+    assert seen.seen[0] == before
+    assert set(seen.seen[1:]) == ({before} if jit_compile else {False})
+    assert tf.config.optimizer.get_experimental_options().get("layout_optimizer") in (before, True)
+
+
+def test_when_the_step_trial_keeps_tensorflows_step_the_layout_optimizer_comes_back(monkeypatch):
+    import tf_ucudnn.callback as callback_module
+    monkeypatch.setattr(callback_module, "time",
+                        _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
+    seen = _LayoutOptimizerSeen()
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
+    _fit(_vgg_style, [seen, callback], epochs=3, jit_compile=False)
+    assert callback.report.trial.kept == "TensorFlow's own convolutions"
+    # Planned from the second step; three steps each way, the first not timed.
+    assert seen.seen[1:7] == [False] * 6
+    assert len(seen.seen) > 7 and all(value is not False for value in seen.seen[7:])

@@ -177,6 +177,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.stream_conv_batch_norm = stream_conv_batch_norm
         self.unstreamed = []
         self._layer_switches: Optional[contextlib.ExitStack] = None
+        self._layout_kept: Optional[bool] = None  # Grappler's layout optimizer, while it is off
 
     # Keras hooks.
 
@@ -253,6 +254,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._trial = None
+        self._restore_layout_optimizer()
         self.model.__dict__.pop("train_step", None)
         for patched in self._patched:
             self._switch(patched.layer, None)
@@ -299,6 +301,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 closing.close()
         for patched in self._patched:
             self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
+        if report.layers and not self.model.jit_compile:
+            self._layout_kept = _grappler_layout_optimizer_off()
         self.report = report
         if self.verbose:
             print(self.summary(), flush=True)
@@ -432,9 +436,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
     def _time_trial_step(self, seconds: float) -> None:
         trial = self._trial
         trial.steps_seen += 1
-        if trial.steps_seen == 1:
-            return  # the planned step's first call compiles it
         result = trial.result
+        # Each step's first call is not timed: the planned one compiles, and the unplanned one
+        # may be optimized again (Grappler's options changed with the plans).
+        if trial.steps_seen == 1 or trial.steps_seen == result.steps + 2:
+            return
         if len(result.planned_ms) < result.steps:
             result.planned_ms.append(seconds * 1e3)
             if len(result.planned_ms) == result.steps:
@@ -457,11 +463,17 @@ class MicroBatchCallback(keras.callbacks.Callback):
             for patched in self._patched:
                 patched.plan = None
                 self._switch(patched.layer, None)
+            self._restore_layout_optimizer()
             # The step compiled before the plans runs on; tests and predictions trace again.
             self.model.test_function = None
             self.model.predict_function = None
         if self.verbose:
             print("tf_ucudnn:" + result.to_text()[1:], flush=True)
+
+    def _restore_layout_optimizer(self) -> None:
+        if self._layout_kept is not None:
+            tf.config.optimizer.set_experimental_options({"layout_optimizer": self._layout_kept})
+            self._layout_kept = None
 
     def _guard_train_function(self) -> None:
         self.model.train_function = self._guarded(self.model.train_function)
@@ -491,6 +503,17 @@ class _Trial:
     planned: object
     steps_seen: int = 0
     step_began: float = 0.0
+
+
+def _grappler_layout_optimizer_off() -> bool:
+    """Turns Grappler's layout optimizer off for the functions TensorFlow instantiates from now
+    on, and returns its setting before. On a GPU it moves a float32 NHWC graph to NCHW, but
+    tf_ucudnn's ops are not among the ops it converts: it transposes every activation around
+    them and keeps both layouts of each activation alive for the backward pass. Steps already
+    run keep how they were optimized."""
+    kept = tf.config.optimizer.get_experimental_options().get("layout_optimizer", True)
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+    return kept
 
 
 def _leave_alone_because(reason: str) -> Planner:
