@@ -3,13 +3,13 @@ backward: time per step and the GPU memory held beyond the input, side by side i
 
     python benchmarks/batch_norm_kernels.py --shape 192 56 56 256 --out $OUT/bn.json
 
-- fused_nhwc: tf_ucudnn.batch_norm_fusion's "cudnn" kernel, FusedBatchNormV3 on the input as it
+- fused_nhwc: tf_ucudnn.keras.batch_norm_forms's "cudnn" kernel, FusedBatchNormV3 on the input as it
   is; TensorFlow's GPU kernel transposes float32 NHWC to NCHW and back (two activation-sized
   temporaries forward, three backward).
 - fused_rows: the same kernel given the input seen as [N*H*W, C, 1, 1] NCHW: no transposes, but
   cuDNN is slow on that shape (ResNet-50's step at batch 192 on the H100: 128.3 img/s, against
   1604.8 with the transposes, both with Grappler's layout optimizer).
-- xla: tf_ucudnn.batch_norm_fusion's "xla" kernel: the moments, the normalization and the
+- xla: tf_ucudnn.keras.batch_norm_forms's "xla" kernel: the moments, the normalization and the
   written-out gradient, each way one XLA computation over the channels-last input.
 - ucudnn: its "ucudnn" kernel, tf_ucudnn's own op: cuDNN's batch normalization on the NHWC
   descriptor (persistent spatial mode), one call each way.
@@ -23,7 +23,7 @@ import time
 
 import tensorflow as tf
 
-from tf_ucudnn.batch_norm_fusion import KERNELS, MIN_EPSILON
+from tf_ucudnn.keras.batch_norm_forms import KERNELS, MIN_EPSILON
 
 
 def fused_nhwc(x, scale, offset):

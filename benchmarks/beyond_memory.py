@@ -11,9 +11,9 @@ and ooc_cuDNN papers). tf_ucudnn is asked for 4x, then 3x and 2x TensorFlow's la
 with memory budgets under the cap (TensorFlow's allocator needs some room of its own), until one
 trains. The budgets shrink by the ratio of the liveness prediction to TensorFlow's measured peak
 at its own largest batch, both recorded. With `--fuse-batch-norm [cudnn|xla|ucudnn]`,
-tf_ucudnn's steps train batch normalization as fused kernels (`tf_ucudnn.batch_norm_fusion`);
+tf_ucudnn's steps train batch normalization as fused kernels (`tf_ucudnn.keras.batch_norm_forms`);
 with `--stream-conv-bn N`, each convolution and the batch normalization after it train as one op
-whose backward runs in N micro-batches (`tf_ucudnn.memory.streamed_conv_bn`).
+whose backward runs in N micro-batches (`tf_ucudnn.keras.streamed_conv_bn`).
 TensorFlow's own step is also run at its largest batch the way the planned steps run (without
 Grappler's layout optimizer, batch normalization fused if asked): it calibrates the plans' op
 times, and tells the share of the speed those settings give from the plan's (VGG16's planned
@@ -206,7 +206,7 @@ def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
 
 def _load_model(name: str, smoke: bool):
     if not smoke:
-        from tf_ucudnn import models
+        from tf_ucudnn.keras import models
         return models.load_model(name)
     return tf.keras.Sequential([
         tf.keras.Input((32, 32, 3)), tf.keras.layers.Conv2D(8, 3, activation="relu"),
@@ -392,14 +392,14 @@ def main():
     parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
                         choices=["cudnn", "xla", "ucudnn"],
                         help="tf_ucudnn's steps train batch normalization with this fused "
-                        "kernel (tf_ucudnn.batch_norm_fusion; cudnn if none is named)")
+                        "kernel (tf_ucudnn.keras.batch_norm_forms; cudnn if none is named)")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers, tried when no plan fits "
-                        "whole batches (tf_ucudnn.memory.plan_keras_step)")
+                        "whole batches (tf_ucudnn.keras.plan_keras_step)")
     parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
                         help="tf_ucudnn's steps train each convolution and the batch "
                         "normalization after it as one op, its backward in N micro-batches "
-                        "(tf_ucudnn.memory.streamed_conv_bn)")
+                        "(tf_ucudnn.keras.streamed_conv_bn)")
     parser.add_argument("--plans-without-autotuning", action="store_true",
                         help="run tf_ucudnn's planned steps with TF_CUDNN_USE_AUTOTUNE=0: the "
                         "first step's autotuning takes memory the plan does not count")

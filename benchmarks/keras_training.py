@@ -33,7 +33,7 @@ import keras
 import tensorflow as tf
 
 import tf_ucudnn
-from tf_ucudnn import models
+from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine
 from tf_ucudnn.profiling.step_trace import alive_at_peak, read_profile

@@ -35,7 +35,7 @@ import time
 
 import tensorflow as tf
 
-from tf_ucudnn import models
+from tf_ucudnn.keras import models
 from tf_ucudnn.memory import (
     BudgetError,
     DeviceModel,
@@ -44,7 +44,7 @@ from tf_ucudnn.memory import (
     plan_keras_step,
     plan_step_with_prefix,
 )
-from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
+from tf_ucudnn.memory.search.step_plan import apply_memory_plan, plan_step_memory
 
 
 def _measured_peak(step, model, batch: int) -> int:
@@ -73,10 +73,10 @@ def main():
                         help="trace batch normalization as fused kernels")
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[],
                         help="when no plan fits whole batches, run the first layers in this "
-                        "many micro-batches (tf_ucudnn.memory.plan_keras_step)")
+                        "many micro-batches (tf_ucudnn.keras.plan_keras_step)")
     parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
                         help="each convolution and the batch normalization after it train as one "
-                        "op, its backward in N micro-batches (tf_ucudnn.memory.streamed_conv_bn)")
+                        "op, its backward in N micro-batches (tf_ucudnn.keras.streamed_conv_bn)")
     parser.add_argument("--paths", nargs="+", choices=["keras", "graph"], default=["keras"],
                         help="with --micro-batches: plan through the Keras model's layers "
                         "(plan_keras_step, as the callback does), through the traced step's graph "

@@ -41,7 +41,7 @@ def timeline_report(spans: dict, swaps) -> dict:
     when its copy back ran against its prefetch op and its first backward consumer: a copy
     that ends after the consumer could have started leaves the GPU waiting; one that starts long
     before the prefetch op holds the tensor early. `spans`: the GPU's, from `op_spans`."""
-    from tf_ucudnn.memory.swap import SWAP
+    from tf_ucudnn.memory.passes.swap import SWAP
 
     timeline = device_timeline(spans, top=20)
     rows = []
@@ -72,9 +72,9 @@ def op_time_report(step_graph, measured: dict, link, step_ms, top: int = 60) -> 
     """The measured op times against those the plan assumed (`op_times`: the device model's
     roofline, scaled to `step_ms` if given), in total, for the recomputations and swaps, and
     for the ops that differ most."""
-    from tf_ucudnn.memory.planner import op_times
-    from tf_ucudnn.memory.recompute import CLONE
-    from tf_ucudnn.memory.swap import SWAP
+    from tf_ucudnn.memory.passes.recompute import CLONE
+    from tf_ucudnn.memory.passes.swap import SWAP
+    from tf_ucudnn.memory.search.step_plan import op_times
 
     operations = step_graph.get_operations()
     assumed = dict(zip((op.name for op in operations), op_times(step_graph, link, None, step_ms)))
@@ -106,7 +106,7 @@ def main():
                         choices=["cudnn", "xla", "ucudnn"])
     parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
                         help="micro-batch counts for the first layers where no plan fits whole "
-                        "batches, as beyond_memory.py plans (tf_ucudnn.memory.plan_keras_step)")
+                        "batches, as beyond_memory.py plans (tf_ucudnn.keras.plan_keras_step)")
     parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
                         help="train each widening convolution and its batch normalization as "
                         "one op, its backward in N micro-batches, as beyond_memory.py does")
@@ -130,7 +130,7 @@ def main():
     # copies of convolution outputs are not in the plan.
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     os.environ.setdefault("TF_DISABLE_RZ_CHECK", "1")
-    from tf_ucudnn import models
+    from tf_ucudnn.keras import models
     from tf_ucudnn.memory import DeviceModel, keras_training_step, plan_keras_step
 
     model = models.load_model(args.model)

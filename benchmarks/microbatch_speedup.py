@@ -21,10 +21,10 @@ import time
 import tensorflow as tf
 
 import tf_ucudnn
-from tf_ucudnn import models
+from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
+from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model, unique_geometries
-from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, fastest_configuration
-from tf_ucudnn.plan import BACKPROP_INPUT, FORWARD, KERNELS
+from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine, profile
 

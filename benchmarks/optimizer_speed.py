@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pulp
 
-from tf_ucudnn.optimization import (
+from tf_ucudnn.conv_planning import (
     DYNAMIC_ALLOCATOR,
     SHARED_WORKSPACE,
     KernelOptions,
@@ -43,8 +43,8 @@ from tf_ucudnn.optimization import (
     optimize_network,
     pareto_configurations,
 )
-from tf_ucudnn.optimization.report import summarize
-from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
+from tf_ucudnn.conv_planning.plan_report import summarize
+from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
 from tf_ucudnn.profiling import AlgorithmTiming, group_by_kernel, micro_batch_sizes, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

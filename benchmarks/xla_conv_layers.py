@@ -22,9 +22,9 @@ import time
 import tensorflow as tf
 
 import tf_ucudnn
-from tf_ucudnn import models
+from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
-from tf_ucudnn.planner import DEFAULT_DATABASE, DatabasePlanner
+from tf_ucudnn.keras import models
 
 
 def _step(layer, plan):

@@ -323,7 +323,7 @@ def kernel_plan(sizes, kernel: str, algorithms=None, cfg: Optional[Conv] = None)
     safe_algorithms(kernel, cfg).
     """
     import tf_ucudnn
-    from tf_ucudnn.plan import Algorithm
+    from tf_ucudnn.core.plan import Algorithm
     choices = algorithms if algorithms is not None else safe_algorithms(kernel, cfg)
     micro_batches = []
     for i, size in enumerate(sizes):

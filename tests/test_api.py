@@ -2,11 +2,11 @@
 
 import pytest
 import tensorflow as tf
+from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 import tf_ucudnn
+from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.memory import BudgetError
-from tf_ucudnn.plan import KernelPlan, LayerPlan
-from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 # Compared with the original at float32 precision, on the GPU too.
 pytestmark = pytest.mark.usefixtures("no_tf32")
@@ -48,7 +48,7 @@ def test_bad_requests_are_refused():
 
 
 def test_the_memory_plan_counts_the_workspace_the_convolutions_plans_need():
-    from tf_ucudnn.plan import Algorithm, MicroBatch
+    from tf_ucudnn.core.plan import Algorithm, MicroBatch
 
     def halves_in_one_mib(layer):
         batch = layer.batch_size

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.batch_norm_fusion import fused_batch_norm, unfusable_because
+from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, unfusable_because
+from tf_ucudnn.keras.batch_size_tuner import keras_training_step
 from tf_ucudnn.memory import analyze
-from tf_ucudnn.memory.tuner import keras_training_step
 
 keras = tf.keras
 

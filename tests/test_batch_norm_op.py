@@ -4,9 +4,9 @@ and gradients, on the CPU and, where its cuDNN kernels are, the GPU; bad shapes 
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from reference import assert_on_device
-from tf_ucudnn import ops
+
+from tf_ucudnn.kernels import ops
 
 EPSILON = 1e-3
 

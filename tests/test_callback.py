@@ -2,13 +2,13 @@
 
 import dataclasses
 
+import keras
 import numpy as np
 import pytest
-import keras
 import tensorflow as tf
 
-from tf_ucudnn.callback import MicroBatchCallback
-from tf_ucudnn.plan import KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.keras.callback import MicroBatchCallback
 
 # Same weights within float32 tolerance needs full float32 on a GPU too, where TF32 would round
 # TensorFlow's and tf_ucudnn's algorithms differently.
@@ -421,7 +421,7 @@ class _FakeClock:
 def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned_ms, kept):
     """Two steps timed each way, after a first one each way that is not; then the faster stays.
     Kept without its plans, every layer is reported left alone with the two times."""
-    import tf_ucudnn.callback as callback_module
+    import tf_ucudnn.keras.callback as callback_module
     clock = _FakeClock([1.0] + [planned_ms / 1e3] * 2 + [1.0] + [unplanned_ms / 1e3] * 2)
     monkeypatch.setattr(callback_module, "time", clock)
     plain, _ = _fit(_vgg_style, [], jit_compile=True)
@@ -460,7 +460,7 @@ def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
 
 
 def test_without_xla_the_step_trial_weighs_the_plans_against_tensorflows_convolutions(monkeypatch):
-    import tf_ucudnn.callback as callback_module
+    import tf_ucudnn.keras.callback as callback_module
     monkeypatch.setattr(callback_module, "time",
                         _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
@@ -498,7 +498,7 @@ def test_grapplers_layout_optimizer_is_off_while_planned_layers_train_without_xl
 
 
 def test_when_the_step_trial_keeps_tensorflows_step_the_layout_optimizer_comes_back(monkeypatch):
-    import tf_ucudnn.callback as callback_module
+    import tf_ucudnn.keras.callback as callback_module
     monkeypatch.setattr(callback_module, "time",
                         _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
     seen = _LayoutOptimizerSeen()

@@ -5,11 +5,11 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from test_converter import conv_model
+
 from tf_ucudnn.cli import main
+from tf_ucudnn.core.plan import KERNELS
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
-from tf_ucudnn.plan import KERNELS
 from tf_ucudnn.profiling.records import ProfileRecord, write_jsonl
 
 MIB = 1 << 20
@@ -94,7 +94,7 @@ def test_convert_command_without_profiles_says_so(tmp_path, capsys):
 
 def test_convert_command_passes_the_micro_batch_counts_on(monkeypatch):
     from tf_ucudnn import cli
-    from tf_ucudnn.converter import ConversionError
+    from tf_ucudnn.savedmodel.converter import ConversionError
 
     seen = []
 

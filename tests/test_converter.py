@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
-from tf_ucudnn.converter import ConversionError, Converter
-from tf_ucudnn.plan import KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 
 BATCH = 6
 

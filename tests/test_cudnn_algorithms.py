@@ -3,11 +3,11 @@ convolution as TensorFlow or is refused with an error naming it — never a wron
 crash. Layouts and dtypes matter to cuDNN's support, so both are swept."""
 
 import pytest
+import reference
 import tensorflow as tf
 
-import reference
 import tf_ucudnn
-from tf_ucudnn.plan import ALGORITHM_COUNTS, KERNELS
+from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS
 
 pytestmark = pytest.mark.gpu
 

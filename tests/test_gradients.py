@@ -1,17 +1,29 @@
-"""tf_ucudnn.gradients: gradients of the ops, the plans they carry, and second-order gradients."""
+"""tf_ucudnn.kernels.gradients: gradients of the ops, the plans they carry, and second-order gradients."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from reference import (
+    CONV2D_CASES,
+    CONV3D_CASES,
+    Case,
+    Conv,
+    assert_close,
+    assert_on_device,
+    backprop_filter,
+    backprop_input,
+    check_conv,
+    conv,
+    kernel_plan,
+    random,
+    safe_algorithms,
+)
 
 import tf_ucudnn
-from reference import (CONV2D_CASES, CONV3D_CASES, Case, Conv, assert_close,
-                       assert_on_device, backprop_filter, backprop_input, check_conv, conv,
-                       kernel_plan, random, safe_algorithms)
-from tf_ucudnn.memory.liveness import kernel_scratch_bytes
-from tf_ucudnn.plan import WORKSPACE_ATTR, KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import WORKSPACE_ATTR, KernelPlan, LayerPlan
+from tf_ucudnn.memory.analysis.liveness import kernel_scratch_bytes
 
 ALL_CASES = CONV2D_CASES + CONV3D_CASES
 BACKPROP_TYPES = {2: ("UcudnnConv2DBackpropInput", "UcudnnConv2DBackpropFilter"),

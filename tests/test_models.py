@@ -2,7 +2,7 @@
 
 import pytest
 
-from tf_ucudnn import models
+from tf_ucudnn.keras import models
 
 
 def test_alexnet_matches_mu_cudnn_geometry():

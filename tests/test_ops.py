@@ -1,15 +1,26 @@
-"""tf_ucudnn.ops: the forward and backprop ops against TensorFlow's, and every bad input."""
+"""tf_ucudnn.kernels.ops: the forward and backprop ops against TensorFlow's, and every bad input."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from reference import (
+    CONV2D_CASES,
+    CONV3D_CASES,
+    Conv,
+    assert_close,
+    assert_on_device,
+    backprop_filter,
+    backprop_input,
+    check_conv,
+    conv,
+    kernel_plan,
+    random,
+    safe_algorithms,
+)
 
 import tf_ucudnn
-from reference import (CONV2D_CASES, CONV3D_CASES, Conv, assert_close, assert_on_device,
-                       backprop_filter, backprop_input, check_conv, conv, kernel_plan, random,
-                       safe_algorithms)
-from tf_ucudnn.ops import _ops
-from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.core.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.kernels.library import op_library
 
 ALL_CASES = CONV2D_CASES + CONV3D_CASES
 DTYPES = [tf.float64, tf.float32, tf.float16, tf.bfloat16]
@@ -329,7 +340,7 @@ _ATTRS = {"strides": [1, 1, 1, 1], "padding": "SAME"}
 
 
 def _raw_conv(**plan_attrs):
-    return _ops.ucudnn_conv2d(_X, _W, **_ATTRS, **plan_attrs)
+    return op_library().ucudnn_conv2d(_X, _W, **_ATTRS, **plan_attrs)
 
 
 @pytest.mark.parametrize("nd", [2, 3])
@@ -499,8 +510,8 @@ def test_bad_plan_on_backprop_ops(device, op_name):
     w = tf.zeros([1] * nd + [1, 1])
     attrs = {"strides": [1] * (nd + 2), "padding": "VALID", "micro_batches": [1, 1],
              "algorithms": ["auto", "algo=6"]}
-    ops = {2: (_ops.ucudnn_conv2d_backprop_input, _ops.ucudnn_conv2d_backprop_filter),
-           3: (_ops.ucudnn_conv3d_backprop_input, _ops.ucudnn_conv3d_backprop_filter)}[nd]
+    ops = {2: (op_library().ucudnn_conv2d_backprop_input, op_library().ucudnn_conv2d_backprop_filter),
+           3: (op_library().ucudnn_conv3d_backprop_input, op_library().ucudnn_conv3d_backprop_filter)}[nd]
     if "Input" in op_name:
         run = lambda: ops[0](tf.shape(x), w, x, **attrs)
         reason = "algorithm 6 is not a cudnnConvolutionBwdDataAlgo_t (0..5)"
@@ -573,11 +584,11 @@ def test_backprop_wrappers_take_only_kernel_plans():
 def test_bad_conv_attributes(attrs, text):
     full = {"strides": [1, 1, 1, 1], "padding": "SAME", **attrs}
     with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
-        _ops.ucudnn_conv2d(_X, _W, **full, name="attrs")
+        op_library().ucudnn_conv2d(_X, _W, **full, name="attrs")
     assert "UcudnnConv2D '" in info.value.message and "(fwd kernel, plan [] " in info.value.message
     assert text in info.value.message
     with pytest.raises(ValueError, match=text.replace("[", r"\[")):
-        tf.function(lambda: _ops.ucudnn_conv2d(_X, _W, **full))()
+        tf.function(lambda: op_library().ucudnn_conv2d(_X, _W, **full))()
 
 
 def test_channel_mismatch():
@@ -608,7 +619,7 @@ def test_backprop_out_backprop_shape_mismatch(which):
 
 def test_backprop_input_sizes_must_be_a_vector():
     with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
-        _ops.ucudnn_conv2d_backprop_input(tf.constant([[5, 6, 6, 3]]), _W, tf.zeros([5, 6, 6, 4]),
+        op_library().ucudnn_conv2d_backprop_input(tf.constant([[5, 6, 6, 3]]), _W, tf.zeros([5, 6, 6, 4]),
                                           strides=[1, 1, 1, 1], padding="SAME")
     assert "UcudnnConv2DBackpropInput" in info.value.message
     assert "input_sizes must be a vector" in info.value.message

@@ -1,4 +1,4 @@
-"""tf_ucudnn.plan: algorithm strings, micro-batch plans, their attributes and JSON."""
+"""tf_ucudnn.core.plan: algorithm strings, micro-batch plans, their attributes and JSON."""
 
 import dataclasses
 import json
@@ -6,10 +6,20 @@ import json
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.ops import _ops
-from tf_ucudnn.plan import (ALGORITHM_COUNTS, BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KERNELS,
-                            MATH_TYPES, Algorithm, KernelPlan, LayerPlan, MicroBatch,
-                            even_sizes)
+from tf_ucudnn.core.plan import (
+    ALGORITHM_COUNTS,
+    BACKPROP_FILTER,
+    BACKPROP_INPUT,
+    FORWARD,
+    KERNELS,
+    MATH_TYPES,
+    Algorithm,
+    KernelPlan,
+    LayerPlan,
+    MicroBatch,
+    even_sizes,
+)
+from tf_ucudnn.kernels.library import op_library
 
 
 def test_even_sizes_differ_by_one_at_most_the_larger_first():
@@ -130,7 +140,7 @@ def test_op_library_agrees_with_plan_parser(text):
     w = tf.zeros([1, 1, 1, 1])
     with tf.device("/CPU:0"):
         try:
-            _ops.ucudnn_conv2d(x, w, strides=[1, 1, 1, 1], padding="VALID", micro_batches=[2],
+            op_library().ucudnn_conv2d(x, w, strides=[1, 1, 1, 1], padding="VALID", micro_batches=[2],
                                algorithms=[text])
             op_accepts = True
         except tf.errors.InvalidArgumentError as error:
@@ -152,11 +162,11 @@ def test_algorithm_counts_match_op_library(kernel):
         text = Algorithm(algo).to_attr()
         with tf.device("/CPU:0"):
             if kernel == FORWARD:
-                return _ops.ucudnn_conv2d(x, w, algorithms=[text], **attrs)
+                return op_library().ucudnn_conv2d(x, w, algorithms=[text], **attrs)
             if kernel == BACKPROP_INPUT:
-                return _ops.ucudnn_conv2d_backprop_input([2, 3, 3, 1], w, dy, algorithms=[text],
+                return op_library().ucudnn_conv2d_backprop_input([2, 3, 3, 1], w, dy, algorithms=[text],
                                                          **attrs)
-            return _ops.ucudnn_conv2d_backprop_filter(x, [1, 1, 1, 1], dy, algorithms=[text],
+            return op_library().ucudnn_conv2d_backprop_filter(x, [1, 1, 1, 1], dy, algorithms=[text],
                                                       **attrs)
 
     assert run(count - 1).shape.rank == 4

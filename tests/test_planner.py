@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn import models
-from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn import rewrite
-from tf_ucudnn.plan import KERNELS
-from tf_ucudnn.planner import DatabasePlanner
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
+from tf_ucudnn.core.plan import KERNELS
+from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
+from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine
 

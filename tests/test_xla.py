@@ -12,10 +12,10 @@ import textwrap
 import numpy as np
 import pytest
 import tensorflow as tf
+from reference import CONV2D_CASES, CONV3D_CASES, check_conv, kernel_plan, layer_plan, random
 
 import tf_ucudnn
-from reference import CONV2D_CASES, CONV3D_CASES, check_conv, kernel_plan, layer_plan, random
-from tf_ucudnn import ops
+from tf_ucudnn.kernels import ops
 
 ALL_CASES = CONV2D_CASES + CONV3D_CASES
 

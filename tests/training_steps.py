@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tf_ucudnn.memory.performance_model import DeviceModel
+from tf_ucudnn.memory.cost.device_model import DeviceModel
 
 # A slow link and fast compute: swaps show their cost, recomputation is cheap.
 SLOW_LINK = DeviceModel("test", device_to_host=1e9, host_to_device=1e9, memory_bandwidth=1e11,
@@ -73,7 +73,7 @@ def assert_anchors_cannot_merge_into_a_cycle(planned):
     """No op that waits, through a swap-in or recomputation, for the op that starts it (its
     anchor) shares a data input with that anchor: a backend merging the two (oneDNN fuses a
     filter gradient with the bias gradient beside it) would close a cycle."""
-    from tf_ucudnn.memory.recompute import CLONE
+    from tf_ucudnn.memory.passes.recompute import CLONE
 
     nodes = {node.name: node for node in planned.get_concrete_function().graph.as_graph_def().node}
 

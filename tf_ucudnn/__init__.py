@@ -1,31 +1,33 @@
-"""tf_ucudnn: micro-batched cuDNN convolutions for TensorFlow.
+"""tf_ucudnn: micro-batched cuDNN convolutions for TensorFlow, training beyond device memory, and
+spatial parallelism for 3-D CNNs.
 
-Importing the package loads the op library and registers the ops' gradients, so graphs and
-SavedModels that contain tf_ucudnn ops load and differentiate once it is imported.
+Importing the package registers the ops' gradients but loads no op library: the entry points load
+it when they first need it. Loading a SavedModel or GraphDef that holds tf_ucudnn's ops needs
+`tf_ucudnn.load_ops()` first.
 """
 
-from tf_ucudnn import gradients as _gradients  # noqa: F401  (registers gradients)
-from tf_ucudnn.ops import (
+from tf_ucudnn import memory, parallel  # noqa: F401  (as tf_ucudnn.memory, tf_ucudnn.parallel)
+from tf_ucudnn.api import rewrite
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
+from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.keras.callback import MicroBatchCallback
+from tf_ucudnn.kernels.library import gpu_kernels_available, load_ops
+from tf_ucudnn.kernels.ops import (
     conv2d,
     conv2d_backprop_filter,
     conv2d_backprop_input,
     conv3d,
     conv3d_backprop_filter,
     conv3d_backprop_input,
-    gpu_kernels_available,
 )
-from tf_ucudnn.callback import MicroBatchCallback
-from tf_ucudnn.converter import ConversionError, Converter
-from tf_ucudnn.api import rewrite
-from tf_ucudnn.graph.rewrite import RewriteReport
-from tf_ucudnn.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
-from tf_ucudnn import memory, parallel  # noqa: F401  (as tf_ucudnn.memory, tf_ucudnn.parallel)
-from tf_ucudnn.planner import DatabasePlanner
+from tf_ucudnn.report import RewriteReport
+from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 
 __all__ = [
     "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KernelPlan", "LayerPlan",
-    "MicroBatch", "MicroBatchCallback", "RewriteReport",
+    "MicroBatch", "MicroBatchCallback", "RewriteReport", "TfUcudnnError",
     "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
     "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",
-    "gpu_kernels_available", "memory", "parallel", "rewrite",
+    "gpu_kernels_available", "load_ops", "memory", "parallel", "rewrite",
 ]

@@ -16,23 +16,21 @@ from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
+from tf_ucudnn.core.plan import LayerPlanner
+from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_function
-from tf_ucudnn.graph.rewrite import (
-    Planner,
-    RewriteReport,
-    apply_graph_pass,
-    rewrite_convolutions,
-)
-from tf_ucudnn.graph.spatial_split import split_graph_def
-from tf_ucudnn.memory.performance_model import DeviceModel
-from tf_ucudnn.memory.planner import plan_step_with_prefix
+from tf_ucudnn.graph.rewrite import apply_graph_pass, rewrite_convolutions
+from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
 from tf_ucudnn.parallel import spatial
-from tf_ucudnn.planner import DatabasePlanner, parse_bytes
+from tf_ucudnn.parallel.spatial_split import split_graph_def
+from tf_ucudnn.report import RewriteReport
 
 Size = Union[int, str, None]
 
 
-def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size = None,
+def rewrite(target, planner: Optional[LayerPlanner] = None, *, workspace_limit: Size = None,
             workspace_budget: Size = None, memory_budget: Size = None,
             spatial_split: Optional[int] = None, devices: Optional[Sequence[str]] = None,
             device_model=None, step_ms: Optional[float] = None,
@@ -64,7 +62,7 @@ def rewrite(target, planner: Optional[Planner] = None, *, workspace_limit: Size 
     `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
     time of the step without swaps (`step_ms`) to calibrate the op time estimates. Where no such
     plan fits, the step's ops up to a pooling run in micro-batches, made again for the backward
-    pass (`tf_ucudnn.memory.graph_prefix`): after the shallowest pooling at which the plan then
+    pass (`tf_ucudnn.memory.passes.graph_prefix`): after the shallowest pooling at which the plan then
     fits, in whichever of `micro_batches` gives the shortest predicted step. The report's
     `memory` is the plan, its `memory_prefix` the choice (the pooling's output and the count,
     or none) with every choice passed over and why. A budget that cannot be met raises

@@ -23,22 +23,23 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from tf_ucudnn import models
-from tf_ucudnn.converter import ConversionError, Converter
-from tf_ucudnn.graph.conv_layers import ConvLayer, find_conv_layers, trace_model
-from tf_ucudnn.optimization.kernel_dp import NoFeasiblePlanError, pareto_configurations
-from tf_ucudnn.optimization.network_ilp import (
+from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, PlannerError, resolve_machine
+from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, pareto_configurations
+from tf_ucudnn.conv_planning.network_ilp import (
     DYNAMIC_ALLOCATOR,
     MODES,
     InfeasibleBudgetError,
     KernelOptions,
     optimize_network,
 )
-from tf_ucudnn.optimization.report import PlanReport, kernel_limit_report, network_report
-from tf_ucudnn.plan import KERNELS
+from tf_ucudnn.conv_planning.plan_report import PlanReport, kernel_limit_report, network_report
+from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.plan import KERNELS
+from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
+from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import POLICIES, POWER_OF_TWO, ProfileDatabase
-from tf_ucudnn.planner import DEFAULT_DATABASE, PlannerError, resolve_machine
 from tf_ucudnn.profiling.profiler import Machine, profile
+from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 
 PER_KERNEL = "per_kernel"
 MIB = 1 << 20

@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn import models
+from tf_ucudnn.core.conv_layer import UnsupportedConvolution
 from tf_ucudnn.graph.conv_layers import (
-    UnsupportedConvolution,
     conv_layer_of,
     find_conv_layers,
     trace_model,
     unique_geometries,
 )
+from tf_ucudnn.keras import models
 
 
 def _graph_of(fn, *specs):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-
-from tf_ucudnn.graph.rewrite import rewrite_convolutions
-from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 from training_steps import gradient_step
+
+from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
+from tf_ucudnn.graph.rewrite import rewrite_convolutions
 
 
 def _split_plan(layer):

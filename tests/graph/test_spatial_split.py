@@ -4,10 +4,10 @@ differentiate as the originals; layers the split cannot serve are reported with 
 import numpy as np
 import pytest
 import tensorflow as tf
+from training_steps import SLOW_LINK, assert_same_step, conv_training_step, gradient_step
 
 import tf_ucudnn
-from tf_ucudnn.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
-from training_steps import SLOW_LINK, assert_same_step, conv_training_step, gradient_step
+from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, KernelPlan, LayerPlan
 
 DEVICES = ["/CPU:0", "/CPU:1"]
 

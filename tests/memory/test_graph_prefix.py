@@ -5,15 +5,6 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import tf_ucudnn
-from tf_ucudnn.memory.graph_prefix import POOLINGS, micro_batch_prefix, prefix_cuts
-from tf_ucudnn.memory.liveness import analyze
-from tf_ucudnn.memory.microbatched_prefix import PrefixError
-from tf_ucudnn.memory.performance_model import BudgetError
-from tf_ucudnn.memory.planner import plan_step_memory
-from tf_ucudnn.memory.tuner import keras_training_step
-from tf_ucudnn.plan import KernelPlan, LayerPlan
 from training_steps import (
     SLOW_LINK,
     assert_same_step,
@@ -21,6 +12,15 @@ from training_steps import (
     gradient_step,
     pooled_conv_model,
 )
+
+import tf_ucudnn
+from tf_ucudnn.core.errors import PrefixError
+from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.keras.batch_size_tuner import keras_training_step
+from tf_ucudnn.memory.analysis.liveness import analyze
+from tf_ucudnn.memory.passes.graph_prefix import POOLINGS, micro_batch_prefix, prefix_cuts
+from tf_ucudnn.memory.search.greedy import BudgetError
+from tf_ucudnn.memory.search.step_plan import plan_step_memory
 
 layers = tf.keras.layers
 

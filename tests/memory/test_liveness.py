@@ -4,9 +4,9 @@ import json
 
 import pytest
 import tensorflow as tf
-
-from tf_ucudnn.memory.liveness import analyze
 from training_steps import gradient_step
+
+from tf_ucudnn.memory.analysis.liveness import analyze
 
 
 def _chain():

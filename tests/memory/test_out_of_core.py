@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.memory.out_of_core import out_of_core_conv2d
+from tf_ucudnn.kernels.out_of_core import out_of_core_conv2d
 
 
 @pytest.mark.parametrize("batch_chunks, channel_chunks, in_flight", [

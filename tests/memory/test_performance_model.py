@@ -5,16 +5,15 @@ import dataclasses
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.memory.performance_model import (
-    BudgetError,
-    DeviceModel,
+from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.cost.simulator import (
     RecomputeDecision,
     SwapDecision,
     TensorUse,
     latest_hiding_prefetch,
-    plan_memory,
     predict,
 )
+from tf_ucudnn.memory.search.greedy import BudgetError, plan_memory
 
 # 100 bytes per ms each way.
 LINK = DeviceModel("test", device_to_host=1e5, host_to_device=1e5)
@@ -331,7 +330,7 @@ def test_a_budget_that_cannot_be_met_is_missed_by_the_lowest_peak_reached():
 def _restarting_greedy(monkeypatch, plan_at_scaled_times):
     """`_greedy` replaced: no plan at the op times as given, `plan_at_scaled_times` (a swap of
     A) at any others; returns the first op's time of each call."""
-    from tf_ucudnn.memory import performance_model
+    from tf_ucudnn.memory.search import greedy as search
 
     calls = []
 
@@ -340,8 +339,8 @@ def _restarting_greedy(monkeypatch, plan_at_scaled_times):
         if op_ms[0] == 1.0:
             raise BudgetError(budget_bytes, predict(op_ms, tensors, model))
         swaps = (plan_at_scaled_times,)
-        return performance_model.MemoryDecisions(swaps, (), predict(op_ms, tensors, model, swaps))
-    monkeypatch.setattr(performance_model, "_greedy", greedy)
+        return search.MemoryDecisions(swaps, (), predict(op_ms, tensors, model, swaps))
+    monkeypatch.setattr(search, "_greedy", greedy)
     return calls
 
 

@@ -4,11 +4,15 @@ import warnings
 
 import pytest
 import tensorflow as tf
+from training_steps import (
+    SLOW_LINK,
+    assert_anchors_cannot_merge_into_a_cycle,
+    assert_same_step,
+    conv_training_step,
+)
 
-from tf_ucudnn.memory.performance_model import BudgetError
-from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
-from training_steps import (SLOW_LINK, assert_anchors_cannot_merge_into_a_cycle, assert_same_step,
-                            conv_training_step)
+from tf_ucudnn.memory.search.greedy import BudgetError
+from tf_ucudnn.memory.search.step_plan import apply_memory_plan, plan_step_memory
 
 
 def test_a_budget_below_the_peak_is_met_with_the_same_results():
@@ -46,9 +50,10 @@ def test_a_measured_step_time_calibrates_the_estimates():
 
 
 def test_recomputation_chains_reach_back_to_kept_tensors():
-    from tf_ucudnn.memory.liveness import analyze
-    from tf_ucudnn.memory.planner import op_times, _recompute_chains
     from training_steps import gradient_step
+
+    from tf_ucudnn.memory.analysis.liveness import analyze
+    from tf_ucudnn.memory.search.step_plan import _recompute_chains, op_times
 
     tf.keras.utils.set_random_seed(4)
     layers = tf.keras.layers
@@ -73,8 +78,8 @@ def test_recomputation_chains_reach_back_to_kept_tensors():
 
 
 def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
-    from tf_ucudnn.memory.liveness import analyze
-    from tf_ucudnn.memory.planner import _after_forward, op_times
+    from tf_ucudnn.memory.analysis.liveness import analyze
+    from tf_ucudnn.memory.search.step_plan import _after_forward, op_times
 
     step = _fused_conv_batch_norm_step(blocks=3, size=16, channels=8)
     report = analyze(step)
@@ -99,11 +104,11 @@ def test_swaps_and_recomputations_wait_only_for_ops_after_the_forward_pass():
 
 
 def test_a_recomputation_reads_the_copy_of_a_swapped_tensor_with_the_same_results():
-    from tf_ucudnn.memory.performance_model import (MemoryDecisions, RecomputeDecision,
-                                                    SwapDecision, predict)
-    from tf_ucudnn.memory.planner import MemoryPlan
-    from tf_ucudnn.memory.recompute import CLONE, Recompute
-    from tf_ucudnn.memory.swap import Swap
+    from tf_ucudnn.memory.cost.simulator import RecomputeDecision, SwapDecision, predict
+    from tf_ucudnn.memory.passes.recompute import CLONE, Recompute
+    from tf_ucudnn.memory.passes.swap import Swap
+    from tf_ucudnn.memory.search.greedy import MemoryDecisions
+    from tf_ucudnn.memory.search.step_plan import MemoryPlan
 
     step = conv_training_step()
     # A convolution's output, made again from its input, which is itself swapped.
@@ -163,9 +168,10 @@ def test_a_step_with_xla_batch_norm_is_planned_with_the_same_results():
 
 
 def test_an_xla_batch_norm_call_is_recomputed_with_the_same_results():
-    from tf_ucudnn.memory.performance_model import MemoryDecisions, RecomputeDecision, predict
-    from tf_ucudnn.memory.planner import MemoryPlan
-    from tf_ucudnn.memory.recompute import CLONE, Recompute
+    from tf_ucudnn.memory.cost.simulator import RecomputeDecision, predict
+    from tf_ucudnn.memory.passes.recompute import CLONE, Recompute
+    from tf_ucudnn.memory.search.greedy import MemoryDecisions
+    from tf_ucudnn.memory.search.step_plan import MemoryPlan
 
     step = _fused_conv_batch_norm_step(blocks=2, size=16, channels=8, kernel="xla")
     # The first block's ReLU output, made again through the normalization's XLA call.
@@ -201,8 +207,8 @@ def _unmergeable(operations, index: int, readers) -> int:
 def _a_recompute_chain(step, wanted):
     """The step's liveness, op times and tensors by name, and the first kept tensor, with its
     recompute chain, for which `wanted(producer type, chain, chain's op types)` holds."""
-    from tf_ucudnn.memory.liveness import analyze
-    from tf_ucudnn.memory.planner import _recompute_chains, op_times
+    from tf_ucudnn.memory.analysis.liveness import analyze
+    from tf_ucudnn.memory.search.step_plan import _recompute_chains, op_times
 
     report = analyze(step)
     operations = step.graph.get_operations()
@@ -217,8 +223,9 @@ def _a_recompute_chain(step, wanted):
 
 def _fused_conv_batch_norm_step(blocks: int, size: int, channels: int, kernel: str = "cudnn"):
     """Convolution, fused batch normalization and ReLU blocks, batch 8, with gradients."""
-    from tf_ucudnn.batch_norm_fusion import fused_batch_norm
     from training_steps import gradient_step
+
+    from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm
 
     tf.keras.utils.set_random_seed(5)
     layers = tf.keras.layers

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from training_steps import assert_same_step, gradient_step
 
-from tf_ucudnn.memory.recompute import (
+from tf_ucudnn.memory.passes.recompute import (
     Recompute,
     RecomputeError,
     insert_recomputes,
     recompute_function,
 )
-from training_steps import assert_same_step, gradient_step
 
 
 def _training_step():

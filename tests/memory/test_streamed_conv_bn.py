@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn import models
-from tf_ucudnn.batch_norm_fusion import _xla_normalization
-from tf_ucudnn.memory import analyze
-from tf_ucudnn.memory.streamed_conv_bn import (
+from tf_ucudnn.keras import models
+from tf_ucudnn.keras.batch_norm_forms import _xla_normalization
+from tf_ucudnn.keras.batch_size_tuner import keras_training_step
+from tf_ucudnn.keras.streamed_conv_bn import (
     conv_batch_norm,
     conv_batch_norm_pairs,
     micro_batch_sizes,
     streamed_conv_batch_norm,
 )
-from tf_ucudnn.memory.tuner import keras_training_step
+from tf_ucudnn.memory import analyze
 
 keras = tf.keras
 

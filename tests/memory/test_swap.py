@@ -2,10 +2,10 @@
 
 import pytest
 import tensorflow as tf
-
-from tf_ucudnn.memory.planner import held_back, latest_inputs
-from tf_ucudnn.memory.swap import HOST, Swap, SwapError, insert_swaps, swap_function
 from training_steps import assert_same_step, gradient_step
+
+from tf_ucudnn.memory.passes.swap import HOST, Swap, SwapError, insert_swaps, swap_function
+from tf_ucudnn.memory.search.step_plan import held_back, latest_inputs
 
 
 def _model():

@@ -2,9 +2,9 @@
 
 import tensorflow as tf
 
-from tf_ucudnn.memory.performance_model import DeviceModel
-from tf_ucudnn.memory.planner import plan_step_memory
-from tf_ucudnn.memory.tuner import keras_training_step, tune_batch_size
+from tf_ucudnn.keras.batch_size_tuner import keras_training_step, tune_batch_size
+from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.search.step_plan import plan_step_memory
 
 LINK = DeviceModel("test", device_to_host=1e10, host_to_device=1e10, memory_bandwidth=1e11,
                    peak_flops=1e12, launch_ms=0.01)
@@ -53,7 +53,7 @@ def test_batches_that_cannot_fit_say_so():
 def test_a_keras_model_tunes_with_micro_batched_first_layers_where_they_are_needed():
     from training_steps import SLOW_LINK, pooled_conv_model
 
-    from tf_ucudnn.memory.tuner import tune_keras_batch_size
+    from tf_ucudnn.keras.batch_size_tuner import tune_keras_batch_size
 
     model = pooled_conv_model()
     budget = plan_step_memory(keras_training_step(model, 16), 1 << 40,

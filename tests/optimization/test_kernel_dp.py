@@ -3,13 +3,13 @@ import random
 
 import pytest
 
-from tf_ucudnn.optimization import (
+from tf_ucudnn.conv_planning import (
     NoFeasiblePlanError,
     fastest_configuration,
     is_deterministic,
     pareto_configurations,
 )
-from tf_ucudnn.plan import KernelPlan, MicroBatch, Algorithm
+from tf_ucudnn.core.plan import Algorithm, KernelPlan, MicroBatch
 from tf_ucudnn.profiling import AlgorithmTiming
 
 MIB = 1 << 20

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tf_ucudnn.optimization import (
+from tf_ucudnn.conv_planning import (
     DYNAMIC_ALLOCATOR,
     SHARED_WORKSPACE,
     InfeasibleBudgetError,
@@ -12,7 +12,7 @@ from tf_ucudnn.optimization import (
     optimize_network,
     pareto_configurations,
 )
-from tf_ucudnn.plan import KERNELS, KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import KERNELS, KernelPlan, LayerPlan
 
 MIB = 1 << 20
 

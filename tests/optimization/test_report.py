@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tf_ucudnn.optimization import (
+from tf_ucudnn.conv_planning import (
     DYNAMIC_ALLOCATOR,
     SHARED_WORKSPACE,
     InfeasibleBudgetError,
@@ -13,8 +13,8 @@ from tf_ucudnn.optimization import (
     optimize_network,
     pareto_configurations,
 )
-from tf_ucudnn.optimization.report import summarize
-from tf_ucudnn.plan import Algorithm, KernelPlan, MicroBatch
+from tf_ucudnn.conv_planning.plan_report import summarize
+from tf_ucudnn.core.plan import Algorithm, KernelPlan, MicroBatch
 from tf_ucudnn.profiling import AlgorithmTiming
 
 MIB = 1 << 20

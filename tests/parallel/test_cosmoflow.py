@@ -102,9 +102,10 @@ def test_bad_shapes_and_splits_are_refused():
 
 
 def test_a_memory_budget_is_met_on_each_device_of_the_split():
-    from tf_ucudnn.memory import BudgetError, analyze
-    from tf_ucudnn.memory.planner import apply_memory_plan, plan_step_memory
     from training_steps import SLOW_LINK, assert_same_step, gradient_step
+
+    from tf_ucudnn.memory import BudgetError, analyze
+    from tf_ucudnn.memory.search.step_plan import apply_memory_plan, plan_step_memory
 
     tf.keras.utils.set_random_seed(7)
     model = SpatialCosmoFlow(**SMALL, spatial_split=2)
@@ -131,8 +132,9 @@ def test_a_memory_budget_is_met_on_each_device_of_the_split():
 
 
 def test_the_callbacks_memory_budget_is_met_on_each_device_of_the_split():
-    from tf_ucudnn import MicroBatchCallback
     from training_steps import SLOW_LINK
+
+    from tf_ucudnn import MicroBatchCallback
 
     def callback(budget):
         return MicroBatchCallback(planner=lambda layer: "left alone in this test",

@@ -125,7 +125,7 @@ def test_pooling_and_batch_norm_equal_the_unpartitioned_layers():
 
 
 def test_each_devices_part_runs_its_plan():
-    from tf_ucudnn.plan import KernelPlan, LayerPlan
+    from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 
     layers = []
 

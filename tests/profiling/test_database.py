@@ -4,8 +4,8 @@ import sqlite3
 
 import pytest
 
+from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.profiling import (
-    ConvGeometry,
     ProfileDatabase,
     ProfileDatabaseError,
     ProfileRecord,

@@ -3,10 +3,10 @@
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn import ops
-from tf_ucudnn.plan import ALGORITHM_COUNTS, KERNELS
-from tf_ucudnn.profiling import ConvGeometry, ProfileDatabase
-from tf_ucudnn.profiling import profiler
+from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS
+from tf_ucudnn.kernels.library import gpu_kernels_available
+from tf_ucudnn.profiling import ProfileDatabase, profiler
 
 GEOMETRY = ConvGeometry(in_channels=8, out_channels=16, input_dims=(12, 12), filter_dims=(3, 3),
                         pads=(1, 1), strides=(1, 1), dilations=(1, 1), dtype="float32",
@@ -14,7 +14,7 @@ GEOMETRY = ConvGeometry(in_channels=8, out_channels=16, input_dims=(12, 12), fil
 
 
 def _gpu_reason():
-    if not ops.gpu_kernels_available():
+    if not gpu_kernels_available():
         return "tf_ucudnn was built without its cuDNN kernels"
     if not tf.config.list_physical_devices("GPU"):
         return "no GPU visible to TensorFlow"
@@ -22,7 +22,7 @@ def _gpu_reason():
 
 
 def test_without_cudnn_kernels_profiling_says_why():
-    if ops.gpu_kernels_available():
+    if gpu_kernels_available():
         pytest.skip("this build has the cuDNN kernels")
     with pytest.raises(profiler.ProfilerUnavailable, match="without its cuDNN kernels"):
         profiler.current_machine()

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from tf_ucudnn.plan import Algorithm
+from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import Algorithm
 from tf_ucudnn.profiling import (
-    ConvGeometry,
     ProfileRecord,
     group_by_kernel,
     micro_batch_sizes,
@@ -151,6 +151,7 @@ def test_group_by_kernel_builds_fastest_first_tables(profiles_dir):
 def test_reads_gzipped_files(tmp_path):
     import gzip
     import os
+
     from tf_ucudnn.profiling.records import read_jsonl
     shared = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results",
                           "h100-cudnn9.14-fp32-nchw-alexnet-resnet50-b256.jsonl.gz")
@@ -166,6 +167,7 @@ def test_reads_gzipped_files(tmp_path):
 
 def test_writes_gzipped_files_when_the_name_says_so(tmp_path):
     import gzip
+
     from tf_ucudnn.profiling.records import read_jsonl, write_jsonl
     records = read_jsonl(Path(__file__).parents[2] / "benchmarks" / "results"
                          / "h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz")

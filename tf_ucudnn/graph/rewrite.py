@@ -10,33 +10,30 @@ the reason.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Optional, Union
+from typing import Optional
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import function_def_to_graph
 
-from tf_ucudnn.graph.conv_layers import (
-    ConvLayer,
-    UnsupportedConvolution,
-    conv_layer_of,
-    find_conv_layers,
+from tf_ucudnn.core.conv_layer import UnsupportedConvolution
+from tf_ucudnn.core.plan import (
+    BACKPROP_FILTER,
+    BACKPROP_INPUT,
+    FORWARD,
+    WORKSPACE_ATTR,
+    KernelPlan,
+    LayerPlanner,
 )
+from tf_ucudnn.graph.conv_layers import conv_layer_of, find_conv_layers
 from tf_ucudnn.graph.functions import (
     callable_over,
     graph_of,
     inline_function_calls,
     is_concrete_function,
 )
-from tf_ucudnn.plan import (
-    BACKPROP_FILTER,
-    BACKPROP_INPUT,
-    FORWARD,
-    WORKSPACE_ATTR,
-    KernelPlan,
-    LayerPlan,
-)
+from tf_ucudnn.kernels.library import load_ops
+from tf_ucudnn.report import LeftAlone, RewriteReport, RewrittenLayer
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
 REPLACEMENTS = {
@@ -49,69 +46,6 @@ REPLACEMENTS = {
 }
 _SAME_ATTRS = ("strides", "padding", "data_format", "dilations", "explicit_paddings")
 
-# Given a layer, its plan, or a string saying why it is left alone.
-Planner = Callable[[ConvLayer], Union[LayerPlan, str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RewrittenLayer:
-    layer: ConvLayer
-    scope: str  # "" for the main graph, else the library function's name
-    nodes: dict  # kernel -> node name
-    plan: LayerPlan
-
-    def to_json(self) -> dict:
-        return {"layer": self.layer.name, "scope": self.scope, "nodes": self.nodes,
-                "plan": self.plan.to_json()}
-
-
-@dataclasses.dataclass(frozen=True)
-class LeftAlone:
-    node: str
-    scope: str
-    reason: str
-
-
-@dataclasses.dataclass
-class RewriteReport:
-    layers: list = dataclasses.field(default_factory=list)
-    left_alone: list = dataclasses.field(default_factory=list)
-    spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
-    memory: Optional[object] = None  # a tf_ucudnn.memory.planner.MemoryPlan, when one was made
-    # With it, a tf_ucudnn.memory.planner.PrefixStepPlan: the ops run in micro-batches, if any,
-    # and the choices passed over.
-    memory_prefix: Optional[object] = None
-    # A tf_ucudnn.callback.StepTrial: the training step timed with the plans and without.
-    trial: Optional[object] = None
-
-    def to_json(self) -> dict:
-        return {"layers": [layer.to_json() for layer in self.layers],
-                "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
-                "spatial": [item.to_json() for item in self.spatial],
-                "memory": self.memory.to_json() if self.memory else None,
-                "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
-                "trial": self.trial.to_json() if self.trial else None}
-
-    def to_text(self) -> str:
-        lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
-                 + (f"{len(self.spatial)} split over devices, " if self.spatial else "")
-                 + f"{len(self.left_alone)} convolution node(s) left alone"]
-        for item in self.layers:
-            where = f" (in {item.scope})" if item.scope else ""
-            lines.append(f"  {item.layer.name}{where}: {item.plan.dumps()}")
-        for item in self.spatial:
-            lines.append(f"  {item.layer}: split over {', '.join(item.devices)} "
-                         f"(slabs of {list(item.slab_rows)} rows)")
-        for item in self.left_alone:
-            where = f" (in {item.scope})" if item.scope else ""
-            lines.append(f"  left alone {item.node}{where}: {item.reason}")
-        if self.memory:
-            lines.append(self.memory.to_text())
-        if self.memory_prefix and self.memory_prefix.cut:
-            lines.append(self.memory_prefix.to_text())
-        if self.trial:
-            lines.append(self.trial.to_text())
-        return "\n".join(lines)
 
 
 def _replace(node, kernel_plan: KernelPlan, batch_size: int,
@@ -177,7 +111,7 @@ def orphan_backprops(ops, claimed: set, scope: str) -> list:
             for op in ops if op.name not in claimed and REPLACEMENTS[op.type][1] != FORWARD]
 
 
-def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
+def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner,
                    report: RewriteReport) -> None:
     """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place."""
     by_name = {node.name: node for node in node_defs}
@@ -206,13 +140,14 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: Planner,
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
 
 
-def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
+def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
                       graph: Optional[tf.Graph] = None) -> tuple[graph_pb2.GraphDef, RewriteReport]:
     """A copy of `graph_def` with its convolutions (main graph and library) replaced.
 
     `graph`, the graph `graph_def` came from, gives shapes a bare GraphDef may not hold (a
     variable's, for one); without it the GraphDef is imported to infer them.
     """
+    load_ops()  # the rewritten graph is imported, with tf_ucudnn's ops in it
     rewritten = graph_pb2.GraphDef()
     rewritten.CopyFrom(graph_def)
     report = RewriteReport()
@@ -237,7 +172,7 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: Planner,
     return rewritten, report
 
 
-def rewrite_convolutions(target, planner: Planner, *, inline_functions: bool = False):
+def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: bool = False):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same

@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_ucudnn import ops
-from tf_ucudnn.graph.conv_layers import ConvLayer, same_padding
-from tf_ucudnn.plan import even_sizes as _even_sizes
+from tf_ucudnn.core.conv_layer import ConvLayer, same_padding
+from tf_ucudnn.core.plan import even_sizes as _even_sizes
+from tf_ucudnn.kernels import ops
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
 

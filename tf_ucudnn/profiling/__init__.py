@@ -1,6 +1,7 @@
 """Measured cuDNN timings: records, JSON-lines files and the per-machine profile database; and
 what a traced TensorFlow step did, from the profiler's XSpace (`step_trace`)."""
 
+from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.profiling.database import ProfileDatabase, ProfileDatabaseError
 from tf_ucudnn.profiling.records import (
     ALL_SIZES,
@@ -8,7 +9,6 @@ from tf_ucudnn.profiling.records import (
     POWER_OF_TWO,
     UNDIVIDED,
     AlgorithmTiming,
-    ConvGeometry,
     KernelKey,
     KernelTimings,
     ProfileRecord,

@@ -19,9 +19,9 @@ import sqlite3
 import time
 from typing import Iterable, Iterator, Optional
 
+from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.profiling.records import (
     AlgorithmTiming,
-    ConvGeometry,
     PathLike,
     ProfileRecord,
     fastest_first,

@@ -12,15 +12,11 @@ from typing import Iterable, Optional, Sequence
 import tensorflow as tf
 from tqdm.auto import tqdm
 
-from tf_ucudnn import ops
-from tf_ucudnn.plan import KERNELS, MATH_TYPES
+from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import KERNELS, MATH_TYPES
+from tf_ucudnn.kernels.library import gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
-from tf_ucudnn.profiling.records import (
-    POWER_OF_TWO,
-    ConvGeometry,
-    ProfileRecord,
-    micro_batch_sizes,
-)
+from tf_ucudnn.profiling.records import POWER_OF_TWO, ProfileRecord, micro_batch_sizes
 
 # What the shared H100 profiles were measured with; cudnnFind tries no more than this.
 DEFAULT_WORKSPACE_LIMIT = 4 << 30
@@ -39,7 +35,7 @@ class Machine:
 
 
 def current_machine(device: str = "/GPU:0") -> Machine:
-    if not ops.gpu_kernels_available():
+    if not gpu_kernels_available():
         raise ProfilerUnavailable(
             "tf_ucudnn was built without its cuDNN kernels (no CUDA toolkit or cuDNN found at "
             "build time); rebuild on a machine with them to profile")
@@ -49,7 +45,7 @@ def current_machine(device: str = "/GPU:0") -> Machine:
         raise ProfilerUnavailable(f"no GPU {device}: TensorFlow sees {len(gpus)} GPU(s)")
     name = tf.config.experimental.get_device_details(gpus[index]).get("device_name", "GPU")
     with tf.device("/CPU:0"):
-        version = int(ops._ops.ucudnn_cudnn_version())
+        version = int(op_library().ucudnn_cudnn_version())
     return Machine(name, version)
 
 
@@ -91,7 +87,7 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
         x = random(_full_shape(geometry, batch, geometry.in_channels, geometry.input_dims), 1)
         w = random([*geometry.filter_dims, geometry.in_channels, geometry.out_channels], 2)
         dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
-        rows = ops._ops.ucudnn_profile_convolution(
+        rows = op_library().ucudnn_profile_convolution(
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
             **_op_attrs(geometry)).numpy()
     return [ProfileRecord(device=machine.device, cudnn_version=machine.cudnn_version,

@@ -19,10 +19,8 @@ import os
 from collections import defaultdict
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from tf_ucudnn.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
-
-# Layouts by number of spatial dimensions; the first letter after N says channels-first or -last.
-LAYOUTS = {2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
+from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
 
 UNDIVIDED = "undivided"
 POWER_OF_TWO = "power_of_two"
@@ -30,67 +28,6 @@ ALL_SIZES = "all"
 POLICIES = (UNDIVIDED, POWER_OF_TWO, ALL_SIZES)
 
 PathLike = Union[str, os.PathLike]
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvGeometry:
-    """Everything about a convolution layer that its cuDNN timings depend on, except the batch size.
-
-    Spatial tuples are in (depth,) height, width order; `pads` are symmetric per dimension, as
-    cuDNN's convolution descriptor takes them.
-    """
-
-    in_channels: int
-    out_channels: int
-    input_dims: tuple[int, ...]
-    filter_dims: tuple[int, ...]
-    pads: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    dtype: str
-    layout: str
-
-    def __post_init__(self):
-        for name in ("input_dims", "filter_dims", "pads", "strides", "dilations"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
-        rank = len(self.input_dims)
-        if rank not in LAYOUTS:
-            raise ValueError(f"a convolution has 2 or 3 spatial dimensions, got {self.input_dims}")
-        for name in ("filter_dims", "pads", "strides", "dilations"):
-            if len(getattr(self, name)) != rank:
-                raise ValueError(f"{name} {getattr(self, name)} does not match the {rank} spatial "
-                                 f"dimensions of input_dims {self.input_dims}")
-        if self.layout not in LAYOUTS[rank]:
-            raise ValueError(f"layout of a {rank}-D convolution must be one of {LAYOUTS[rank]}, "
-                             f"got {self.layout!r}")
-        positive = (self.in_channels, self.out_channels, *self.input_dims, *self.filter_dims,
-                    *self.strides, *self.dilations)
-        if min(positive) <= 0 or min(self.pads) < 0:
-            raise ValueError(f"channels, dims, strides and dilations must be positive and pads "
-                             f"non-negative: {self}")
-
-    @property
-    def conv_kind(self) -> str:
-        return f"conv{len(self.input_dims)}d"
-
-    def shape_key(self) -> str:
-        """Canonical text of the geometry without dtype and layout: the database's geometry key."""
-        fields = {name: getattr(self, name) for name in
-                  ("in_channels", "out_channels", "input_dims", "filter_dims", "pads", "strides",
-                   "dilations")}
-        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_shape_key(cls, key: str, dtype: str, layout: str) -> "ConvGeometry":
-        return cls(**json.loads(key), dtype=dtype, layout=layout)
-
-    def __str__(self) -> str:
-        def dims(values):
-            return "x".join(map(str, values))
-        return (f"{self.conv_kind} {self.in_channels}->{self.out_channels}"
-                f" input {dims(self.input_dims)} filter {dims(self.filter_dims)}"
-                f" pad {dims(self.pads)} stride {dims(self.strides)}"
-                f" dilation {dims(self.dilations)} {self.dtype} {self.layout}")
 
 
 @dataclasses.dataclass(frozen=True)

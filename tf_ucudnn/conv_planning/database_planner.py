@@ -1,0 +1,272 @@
+"""From a layer to its LayerPlan, using measured profiles: what `tf_ucudnn.rewrite`, the Keras
+callback and the SavedModel converter call for each convolution they find. Each kernel gets
+μ-cuDNN's dynamic program under the workspace limit.
+
+With a workspace budget, `prepare` first plans all layers of a graph together: μ-cuDNN's integer
+linear program picks one (time, workspace) Pareto configuration per kernel so that the workspaces
+together fit the budget (the shared-workspace mode), and each layer then gets its share.
+
+A layer whose three kernels run best undivided still gets tf_ucudnn's op by default, with the
+measured best algorithm: TensorFlow's own choice under the same limit can be far slower (on an H100
+in NHWC float32 at 64 MiB, Keras VGG16 trains at 277 img/s with TensorFlow's choices, while the
+implicit-GEMM algorithm it passes over needs under 20 MiB). `leave_undivided_to_tensorflow` keeps
+TensorFlow's op for such layers instead, reported as "no gain".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import Iterable, Optional, Union
+
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+from tf_ucudnn.conv_planning.kernel_dp import (
+    NoFeasiblePlanError,
+    fastest_configuration,
+    pareto_configurations,
+)
+from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
+from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.plan import KERNELS, LayerPlan
+from tf_ucudnn.core.units import parse_bytes
+from tf_ucudnn.kernels.library import gpu_kernels_available
+from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
+
+DEFAULT_DATABASE = os.path.join(os.path.expanduser("~"), ".cache", "tf_ucudnn", "profiles.sqlite")
+
+
+class PlannerError(RuntimeError):
+    """Why no planner could be set up (no measurements to plan with), for the user to read."""
+
+
+def resolve_machine(database: ProfileDatabase, device: Optional[str] = None,
+                    cudnn_version: Optional[int] = None) -> tuple[Machine, bool]:
+    """Whose measurements to plan with, and whether this process can measure on it."""
+    if device is None and gpu_kernels_available() and tf.config.list_physical_devices("GPU"):
+        return current_machine(), True
+    known = collections.Counter((r.device, r.cudnn_version) for r in database.records())
+    matching = [m for m in known if (device is None or m[0] == device)
+                and (cudnn_version is None or m[1] == cudnn_version)]
+    if len(matching) != 1:
+        listing = ", ".join(f"{d!r} cuDNN {v}" for d, v in sorted(known)) or "none"
+        raise PlannerError(f"cannot tell which machine's measurements to use (in the database "
+                           f"{database.path}: {listing}); on a machine without a GPU, import a "
+                           "profile file and name the device and cuDNN version")
+    return Machine(*matching[0]), False
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrediction:
+    """A layer's predicted time, its three kernels together, from the profile database: as XLA's
+    own convolution would run it (the best undivided algorithm at the whole batch, whatever its
+    workspace: XLA's autotuner is not held to a limit) and as its plan would. None where the
+    database cannot tell."""
+
+    xla_ms: Optional[float]
+    plan_ms: Optional[float]
+
+
+class DatabasePlanner:
+    """Plans layers from a profile database, measuring missing geometries when it can.
+
+    `workspace_limit_bytes` bounds each kernel's workspace (None: no bound);
+    `workspace_budget_bytes` bounds their sum over the layers given to `prepare`.
+    With `compare_with_xla`, a layer is planned only where its plan is predicted at least
+    `xla_margin` faster than XLA's own convolution (see `LayerPrediction`); the others are left
+    to XLA, with the two predictions as the reason. The margin covers what a custom call costs
+    XLA: the convolution is no longer fused with what surrounds it.
+    """
+
+    def __init__(self, database: ProfileDatabase, workspace_limit_bytes: Optional[int], *,
+                 workspace_budget_bytes: Optional[int] = None,
+                 machine: Optional[Machine] = None, measure: Optional[bool] = None,
+                 deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0,
+                 leave_undivided_to_tensorflow: bool = False, compare_with_xla: bool = False,
+                 xla_margin: float = 0.1):
+        self.database = database
+        self.workspace_limit_bytes = workspace_limit_bytes
+        self.measure = machine is None if measure is None else measure
+        self.machine = machine or current_machine()
+        self.deterministic_only = (tf_config.is_op_determinism_enabled()
+                                   if deterministic_only is None else deterministic_only)
+        self.call_overhead_ms = call_overhead_ms
+        self.leave_undivided_to_tensorflow = leave_undivided_to_tensorflow
+        self.compare_with_xla = compare_with_xla
+        self.xla_margin = xla_margin
+        if workspace_limit_bytes is None and workspace_budget_bytes is None:
+            raise ValueError("give a workspace limit per kernel, a workspace budget for all, "
+                             "or both")
+        self.workspace_budget_bytes = workspace_budget_bytes
+        self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
+        self._tables: dict[ConvLayer, Union[dict, str]] = {}
+
+    @classmethod
+    def open(cls, workspace_limit: Union[int, str, None] = None,
+             database: str = DEFAULT_DATABASE, profiles: Iterable[str] = (),
+             device: Optional[str] = None, cudnn_version: Optional[int] = None,
+             workspace_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
+        """A planner over the database file (created if new), with `profiles` imported into it.
+
+        On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
+        measurements of `device` (or of the only machine the database holds). Close it when done.
+        """
+        os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
+        db = ProfileDatabase(database)
+        try:
+            for path in profiles:
+                db.import_jsonl(path)
+            machine, can_measure = resolve_machine(db, device, cudnn_version)
+        except BaseException:
+            db.close()
+            raise
+        return cls(db, None if workspace_limit is None else parse_bytes(workspace_limit),
+                   workspace_budget_bytes=(None if workspace_budget is None
+                                           else parse_bytes(workspace_budget)),
+                   machine=machine, measure=can_measure, **options)
+
+    def close(self) -> None:
+        self.database.close()
+
+    def __enter__(self) -> "DatabasePlanner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _timings(self, layer: ConvLayer) -> Union[dict, str]:
+        """kernel -> timing table of the layer, or why there is none; read (and measured) once
+        per layer, as planning and predicting a layer both need them."""
+        if layer not in self._tables:
+            self._tables[layer] = self._read_timings(layer)
+        return self._tables[layer]
+
+    def _read_timings(self, layer: ConvLayer) -> Union[dict, str]:
+        geometry = layer.cudnn_geometry()
+        if self.measure:
+            profile([(geometry, layer.name)], layer.batch_size, self.database, progress=False)
+        tables = {}
+        for kernel in KERNELS:
+            tables[kernel] = self.database.timings(self.machine.device,
+                                                   self.machine.cudnn_version, geometry, kernel)
+            if layer.batch_size not in tables[kernel]:
+                return (f"no profile of its {kernel} kernel at batch {layer.batch_size} on "
+                        f"{self.machine.device} (cuDNN {self.machine.cudnn_version})")
+        return tables
+
+    def prepare(self, layers: Iterable[ConvLayer]) -> None:
+        """With a workspace budget, plans `layers` together (the rewrite pass calls this first).
+
+        Raises InfeasibleBudgetError, saying by how much, when the budget cannot be met.
+        """
+        if self.workspace_budget_bytes is None:
+            return
+        self._network_plans = {}
+        planned, options = [], []
+        for layer in dict.fromkeys(layers):
+            tables = self._timings(layer)
+            if isinstance(tables, str):
+                self._network_plans[layer] = tables
+                continue
+            try:
+                fronts = [self._front(kernel, tables[kernel], layer.batch_size)
+                          for kernel in KERNELS]
+            except NoFeasiblePlanError as error:
+                self._network_plans[layer] = f"no plan within the workspace limit: {error}"
+                continue
+            options += [KernelOptions(str(len(planned)), kernel, front)
+                        for kernel, front in zip(KERNELS, fronts)]
+            planned.append(layer)
+        if not planned:
+            return
+        plans = optimize_network(options, self.workspace_budget_bytes,
+                                 SHARED_WORKSPACE).layer_plans()
+        for index, layer in enumerate(planned):
+            self._network_plans[layer] = plans[str(index)]
+
+    def _front(self, kernel, timings, batch_size):
+        front = pareto_configurations(kernel, timings, batch_size,
+                                      deterministic_only=self.deterministic_only,
+                                      call_overhead_ms=self.call_overhead_ms)
+        if self.workspace_limit_bytes is not None:
+            front = tuple(c for c in front if c.workspace_bytes <= self.workspace_limit_bytes)
+            if not front:
+                raise NoFeasiblePlanError(f"{kernel}: every configuration needs more than "
+                                          f"{self.workspace_limit_bytes} bytes")
+        return front
+
+    def __call__(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+        if self.workspace_budget_bytes is not None:
+            if layer not in self._network_plans:
+                return "not among the layers planned together under the workspace budget"
+            plan = self._network_plans[layer]
+        else:
+            plan = self._plan_alone(layer)
+        if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
+                len(kernel_plan.micro_batches) == 1 for kernel_plan in
+                (plan.forward, plan.backprop_input, plan.backprop_filter)):
+            return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
+        if isinstance(plan, LayerPlan) and self.compare_with_xla:
+            prediction = self.predict(layer, plan)
+            if prediction.xla_ms is None or prediction.plan_ms is None:
+                return "XLA's own convolution: the profiles cannot predict which is faster"
+            if prediction.plan_ms > (1 - self.xla_margin) * prediction.xla_ms:
+                return (f"XLA's own convolution is predicted as fast or faster: "
+                        f"{prediction.xla_ms:.3f} ms undivided with any workspace, against "
+                        f"{prediction.plan_ms:.3f} ms planned (a plan must gain "
+                        f"{self.xla_margin:.0%})")
+        return plan
+
+    def predict(self, layer: ConvLayer, plan: Union[LayerPlan, str, None] = None
+                ) -> LayerPrediction:
+        """The layer's predicted time as XLA's convolution and, if given, as `plan`."""
+        tables = self._timings(layer)
+        if isinstance(tables, str):
+            return LayerPrediction(None, None)
+        xla_ms = 0.0
+        for kernel in KERNELS:
+            try:
+                xla_ms += fastest_configuration(
+                    kernel, tables[kernel], layer.batch_size, None,
+                    deterministic_only=self.deterministic_only,
+                    micro_batch_sizes=[layer.batch_size]).time_ms
+            except NoFeasiblePlanError:
+                return LayerPrediction(None, None)
+        plan_ms = None
+        if isinstance(plan, LayerPlan):
+            times = [_planned_ms(plan.kernel(kernel), tables[kernel], self.call_overhead_ms)
+                     for kernel in KERNELS]
+            plan_ms = None if None in times else sum(times)
+        return LayerPrediction(xla_ms, plan_ms)
+
+    def _plan_alone(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+        tables = self._timings(layer)
+        if isinstance(tables, str):
+            return tables
+        plans = []
+        for kernel in KERNELS:
+            try:
+                plans.append(fastest_configuration(
+                    kernel, tables[kernel], layer.batch_size, self.workspace_limit_bytes,
+                    deterministic_only=self.deterministic_only,
+                    call_overhead_ms=self.call_overhead_ms).plan)
+            except NoFeasiblePlanError as error:
+                return f"no plan within the workspace limit: {error}"
+        return LayerPlan(*plans)
+
+
+def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float]:
+    """The measured time of a kernel plan's micro-batches, None if one was not measured."""
+    total = 0.0
+    for micro_batch in kernel_plan.micro_batches:
+        algorithm = micro_batch.algorithm
+        matching = [t.time_ms for t in timings.get(micro_batch.size, ())
+                    if t.algo == algorithm.algo and algorithm.algo is not None
+                    and (algorithm.math is None or t.math == algorithm.math)]
+        if not matching:
+            return None
+        total += min(matching) + call_overhead_ms
+    return total

@@ -1,0 +1,1 @@
+"""Plain data every layer shares: plans, geometry, convolution layers, sizes and errors."""

@@ -1,0 +1,94 @@
+"""One convolution layer as plain data, in TensorFlow's own terms: what the profiler measures, the
+planners plan for, and the passes rewrite.
+
+A `ConvLayer`'s `cudnn_geometry()` is what cuDNN actually runs: TensorFlow's padding may be
+asymmetric (SAME with an odd total, or explicit pairs) while cuDNN pads symmetrically, so
+tf_ucudnn's kernels pad the input by the difference first, and the geometry cuDNN sees has that
+larger input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_ucudnn.core.geometry import ConvGeometry
+
+
+def same_padding(size: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """(before, after) padding of one dimension under SAME, as TensorFlow computes it."""
+    effective = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + effective - size, 0)
+    return total // 2, total - total // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvLayer:
+    """One forward convolution of a graph, in TensorFlow's own terms."""
+
+    name: str
+    op_type: str
+    input_shape: tuple[int, ...]  # in data_format order, batch first
+    filter_shape: tuple[int, ...]  # spatial..., in_channels, out_channels
+    strides: tuple[int, ...]  # over all dims, in data_format order, as the op's attribute
+    dilations: tuple[int, ...]
+    padding: str  # SAME, VALID or EXPLICIT
+    explicit_paddings: tuple[int, ...]
+    data_format: str
+    dtype: str
+
+    @property
+    def num_spatial_dims(self) -> int:
+        return len(self.filter_shape) - 2
+
+    @property
+    def channels_last(self) -> bool:
+        return self.data_format.endswith("C")
+
+    def _spatial(self, values) -> tuple[int, ...]:
+        nd = self.num_spatial_dims
+        return tuple(values[1:1 + nd] if self.channels_last else values[2:2 + nd])
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def input_spatial(self) -> tuple[int, ...]:
+        return self._spatial(self.input_shape)
+
+    def pads(self) -> list[tuple[int, int]]:
+        """(before, after) padding per spatial dim, as TensorFlow computes it."""
+        strides, dilations = self._spatial(self.strides), self._spatial(self.dilations)
+        if self.padding == "EXPLICIT":
+            pairs = list(zip(self.explicit_paddings[::2], self.explicit_paddings[1::2]))
+            return self._spatial(pairs)
+        return [same_padding(size, k, s, d) if self.padding == "SAME" else (0, 0)
+                for size, k, s, d in zip(self.input_spatial, self.filter_shape, strides,
+                                         dilations)]
+
+    def output_spatial(self) -> tuple[int, ...]:
+        strides, dilations = self._spatial(self.strides), self._spatial(self.dilations)
+        return tuple((size + before + after - ((k - 1) * d + 1)) // s + 1
+                     for size, k, s, d, (before, after) in zip(
+                         self.input_spatial, self.filter_shape, strides, dilations, self.pads()))
+
+    def cudnn_geometry(self) -> ConvGeometry:
+        """The convolution cuDNN runs for this layer (see the module's docstring)."""
+        pads = self.pads()
+        symmetric = tuple(min(before, after) for before, after in pads)
+        padded = tuple(size + before + after - 2 * sym
+                       for size, (before, after), sym in zip(self.input_spatial, pads, symmetric))
+        return ConvGeometry(
+            in_channels=self.filter_shape[-2], out_channels=self.filter_shape[-1],
+            input_dims=padded, filter_dims=self.filter_shape[:-2], pads=symmetric,
+            strides=self._spatial(self.strides), dilations=self._spatial(self.dilations),
+            dtype=self.dtype, layout=self.data_format)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class UnsupportedConvolution(ValueError):
+    """A convolution op this package cannot plan for; the message names it and says why."""
+

@@ -1,0 +1,485 @@
+"""The Keras callback: `model.fit(..., callbacks=[tf_ucudnn.MicroBatchCallback("64MiB")])`.
+
+Keras 3 traces `fit`'s train function with the batch dimension unknown, so the real batch size is
+first seen when a step runs. The callback therefore lets the first step run with TensorFlow's own
+convolutions while each convolution layer records the shape of its input; after that step it plans
+every layer for that shape, switches the layers' `convolution_op` to tf_ucudnn's ops carrying their
+plans, and has Keras build its train, test and predict functions again. An input of another shape
+(a last, partial batch) runs undivided. When training ends the layers get their own convolution
+back, so the model is plain again for whatever follows.
+
+Where Keras compiles the step with XLA (its default on a GPU), it still does: tf_ucudnn's ops
+compile to XLA custom calls, and a layer is planned only where the profiles predict its plan
+faster than XLA's own convolution. If any layer is planned, a few steps are timed with the plans
+and as Keras made the step before them, and the faster step is kept, so the callback does not
+leave training slower than Keras's own step. If none is, Keras's step goes on unchanged.
+
+Under a memory budget the first step may not fit as it is, so none runs unplanned: the first call
+of the train function takes the first batch from the data, traces the step at its shape (each
+convolution layer notes its input's shape as it is traced), plans the layers and the step's
+memory, and trains that batch with the planned step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Optional, Sequence, Union
+
+import keras
+import tensorflow as tf
+
+from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
+from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
+from tf_ucudnn.core.plan import LayerPlan, LayerPlanner
+from tf_ucudnn.core.units import MIB, parse_bytes
+from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
+from tf_ucudnn.keras.batch_size_tuner import KerasStepPlan, plan_keras_step
+from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
+from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
+from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
+from tf_ucudnn.kernels import ops
+from tf_ucudnn.memory import DeviceModel
+from tf_ucudnn.report import LeftAlone, RewriteReport, RewrittenLayer, StepTrial
+
+_CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                      keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                      keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+                      keras.layers.DepthwiseConv2D, keras.layers.SeparableConv1D,
+                      keras.layers.SeparableConv2D)
+
+
+@dataclasses.dataclass
+class _PatchedLayer:
+    layer: keras.layers.Layer
+    observed_shape: tf.Variable  # the input shape of the layer's last call, written by the step
+    traced_shape: Optional[tuple] = None  # the input's static shape where a trace knew it
+    conv_layer: Optional[ConvLayer] = None
+    plan: Optional[LayerPlan] = None
+
+
+def _convolution_layers(model: keras.Model):
+    """Every convolution layer of the model, nested models included, each once."""
+    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+            if isinstance(layer, _CONVOLUTION_TYPES)]
+
+
+class MicroBatchCallback(keras.callbacks.Callback):
+    """Trains the model's Conv2D/Conv3D layers as micro-batched cuDNN convolutions.
+
+    Args:
+      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB";
+        None leaves every convolution to TensorFlow (for a memory budget alone).
+      planner: gives each layer its plan (or a reason to leave it alone); by default a
+        `DatabasePlanner` over `database`, which on a GPU measures what it lacks.
+      database: the profile database file of the default planner.
+      profiles: JSON-lines profile files the default planner imports first.
+      memory_budget: optionally, the device memory the training step must fit in (bytes or a
+        size); the step is then traced at the real batch size and trained with the swaps and
+        recomputations `tf_ucudnn.rewrite` plans for it (one step per call: steps_per_execution
+        must be 1). If no such plan fits, the model's first layers run in micro-batches too
+        (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met stops training with a
+        BudgetError saying by how much.
+      micro_batches: the micro-batch counts the first layers may run in under a memory budget
+        (none: whole batches only).
+      whole_batches: False to run the first layers in micro-batches under a memory budget even
+        where a plan in whole batches fits: their largest tensors are then never whole, which
+        a GPU allocator whose free memory is split may have no room for.
+      device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
+        if not given).
+      fuse_batch_norm: train the BatchNormalization layers as fused kernels, True or "cudnn"
+        (TensorFlow's FusedBatchNormV3), "xla" or "ucudnn" (`tf_ucudnn.keras.batch_norm_forms`): the
+        same results, one kernel each way, and on the GPU a faster step (ResNet-50 on an H100 with
+        cuDNN's: 1604.8 img/s against 818.1). The layers it cannot fuse are listed in
+        `unfused_batch_norm` with the reason.
+      stream_conv_batch_norm: a count of micro-batches, 0 for none: each convolution and the
+        batch normalization reading it train as one op whose backward runs in that many
+        micro-batches (`tf_ucudnn.keras.streamed_conv_bn`), which lowers the backward pass's
+        peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
+        are TensorFlow's convolutions, so this needs `workspace_limit=None`.
+      trial_steps: where some layer is planned, how many steps to time with the plans and as
+        Keras made the step before them (XLA's or TensorFlow's own convolutions) before keeping
+        the faster; 0 keeps the plans without timing them.
+      verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
+
+    After planning, `report` holds the plan of every layer and the layers left alone with why,
+    the step trial if one ran, and the memory plan if one was made.
+    """
+
+    def __init__(self, workspace_limit: Union[int, str] = "64MiB",
+                 planner: Optional[LayerPlanner] = None,
+                 *, database: str = DEFAULT_DATABASE, profiles=(),
+                 memory_budget: Union[int, str, None] = None, device_model=None,
+                 micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
+                 fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
+                 trial_steps: int = 5, verbose: int = 1):
+        super().__init__()
+        if stream_conv_batch_norm and workspace_limit is not None:
+            raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
+                             f"workspace_limit=None, not {workspace_limit!r}: the streamed pairs' "
+                             f"gradients are TensorFlow's convolutions, not planned ones")
+        self.workspace_limit_bytes = (None if workspace_limit is None else
+                                      parse_bytes(workspace_limit))
+        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self._device_model = device_model
+        self.micro_batches = tuple(micro_batches)
+        self.whole_batches = whole_batches
+        self.memory_plan: Optional[KerasStepPlan] = None
+        self._planner = planner
+        self._database = database
+        self._profiles = tuple(profiles)
+        self.verbose = verbose
+        if trial_steps < 0:
+            raise ValueError(f"trial_steps must be 0 or more, got {trial_steps}")
+        self.trial_steps = trial_steps
+        self.report: Optional[RewriteReport] = None
+        self._trial: Optional[_Trial] = None
+        self._patched: list[_PatchedLayer] = []
+        self._jit_compile = None
+        self.fuse_batch_norm = kernel_name(fuse_batch_norm)  # None, or the kernel's name
+        self.unfused_batch_norm = []
+        self.stream_conv_batch_norm = stream_conv_batch_norm
+        self.unstreamed = []
+        self._layer_switches: Optional[contextlib.ExitStack] = None
+        self._layout_kept: Optional[bool] = None  # Grappler's layout optimizer, while it is off
+
+    # Keras hooks.
+
+    def on_train_begin(self, logs=None):
+        self.report = None
+        self._patched = []
+        left_alone = []
+        for layer in _convolution_layers(self.model):
+            if self.workspace_limit_bytes is None:
+                left_alone.append(LeftAlone(layer.path, "", "workspace_limit=None: "
+                                            "TensorFlow's own convolution"))
+                continue
+            try:
+                check_keras_convolution(layer)
+            except UnsupportedConvolution as error:
+                left_alone.append(LeftAlone(layer.path, "", str(error).removeprefix(
+                    f"{layer.path}: ")))
+                continue
+            observed = tf.Variable(tf.zeros([layer.rank + 2], tf.int64), trainable=False,
+                                   name="ucudnn_observed_shape")
+            self._patched.append(_PatchedLayer(layer, observed))
+        self._left_alone_before_planning = left_alone
+        for patched in self._patched:
+            self._switch(patched.layer, self._recording_op(patched))
+        if self.memory_budget_bytes is not None and self.model.steps_per_execution != 1:
+            raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
+                             f"compile the model with steps_per_execution=1, not "
+                             f"{self.model.steps_per_execution}")
+        self._layer_switches = contextlib.ExitStack()
+        if self.fuse_batch_norm:
+            self.unfused_batch_norm = self._layer_switches.enter_context(
+                fused_batch_norm(self.model, self.fuse_batch_norm))
+        if self.stream_conv_batch_norm:
+            self.unstreamed = self._layer_switches.enter_context(
+                streamed_conv_batch_norm(self.model, self.stream_conv_batch_norm))
+        if self.memory_budget_bytes is not None and self.model.jit_compile:
+            # The memory-planned step orders its swaps and recomputations by control edges, which
+            # XLA would not keep, so XLA is off from the first step on (sparing a compilation for
+            # one step); the model's own setting comes back at the end.
+            self._jit_compile = self.model.jit_compile
+            self.model.jit_compile = False
+        self._trial = None
+        self._retrace()
+        if self.memory_budget_bytes is not None:
+            self.model.train_function = self._planning_train_function
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._trial is not None:
+            self._trial.step_began = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Keras hands this callback (not marked async-safe) the step's logs as numbers: the step
+        # has finished on the device by now.
+        if self._trial is not None:
+            self._time_trial_step(time.perf_counter() - self._trial.step_began)
+        if self.report is None and self._patched:
+            try:
+                self._plan(lambda patched: patched.observed_shape.numpy().tolist())
+                if self.report.layers:
+                    unplanned = self.model.train_function
+                    self._retrace()
+                    if self.trial_steps:
+                        own = ("XLA's own convolutions" if self.model.jit_compile else
+                               "TensorFlow's own convolutions")
+                        self._trial = _Trial(StepTrial(self.trial_steps, own), unplanned,
+                                             self.model.train_function)
+                        self.report.trial = self._trial.result
+                # With no layer planned, the step as compiled goes on: tracing it again would
+                # cost XLA a compilation for the same step.
+            except BaseException:
+                self.on_train_end()  # Keras skips it when training stops on an error
+                raise
+            self._guard_train_function()
+
+    def on_train_end(self, logs=None):
+        self._trial = None
+        self._restore_layout_optimizer()
+        self.model.__dict__.pop("train_step", None)
+        for patched in self._patched:
+            self._switch(patched.layer, None)
+        if self._jit_compile is not None:
+            self.model.jit_compile = self._jit_compile
+            self._jit_compile = None
+        if self._layer_switches is not None:
+            self._layer_switches.close()
+            self._layer_switches = None
+        self._patched = []
+        self._retrace()
+
+    # Planning.
+
+    def _plan(self, input_shape) -> None:
+        """Plans each patched layer for `input_shape(patched)`, its input's shape as a step saw
+        it (zeros or None where no step called the layer)."""
+        report = RewriteReport(left_alone=list(self._left_alone_before_planning))
+        planner, closing = self._planner, None
+        if planner is None and self._patched:
+            try:
+                planner = closing = DatabasePlanner.open(
+                    self.workspace_limit_bytes, self._database, self._profiles,
+                    compare_with_xla=bool(self.model.jit_compile))
+            except Exception as error:  # no GPU and no measurements: say so, train as is
+                planner = _leave_alone_because(f"no planner: {error}")
+        try:
+            for patched in self._patched:
+                shape = input_shape(patched)
+                if not shape or not all(shape):
+                    report.left_alone.append(LeftAlone(
+                        patched.layer.path, "", "not called by the first training step"))
+                    continue
+                patched.conv_layer = keras_conv_layer(
+                    patched.layer, shape, patched.layer.compute_dtype)
+                plan = planner(patched.conv_layer)
+                if isinstance(plan, str):
+                    report.left_alone.append(LeftAlone(patched.layer.path, "", plan))
+                    continue
+                patched.plan = plan
+                report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
+        finally:
+            if closing is not None:
+                closing.close()
+        for patched in self._patched:
+            self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
+        if report.layers and not self.model.jit_compile:
+            self._layout_kept = _grappler_layout_optimizer_off()
+        self.report = report
+        if self.verbose:
+            print(self.summary(), flush=True)
+
+    # Memory.
+
+    def _planning_train_function(self, iterator):
+        """The first step under a memory budget: plans at the first batch's shape, then trains
+        that batch with the planned step, which later calls run too."""
+        next_data = iterator.get_next_as_optional()
+        if not next_data.has_value():
+            raise StopIteration
+        data = next_data.get_value()
+        try:
+            specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), data)
+            # Traced, not run: each convolution layer notes its input's shape.
+            tf.function(self.model.train_step).get_concrete_function(specs)
+            self._plan(lambda patched: patched.traced_shape)
+            self._retrace()
+            planned_step = self._plan_memory(specs)
+        except BaseException:
+            self.on_train_end()  # Keras skips it when training stops on an error
+            raise
+        self._guard_train_function()
+        return planned_step(data)
+
+    def _plan_memory(self, specs):
+        """Plans the step's memory for data of `specs`, makes the planned step Keras's train
+        function, and returns what trains one batch with it."""
+        batch = tf.nest.flatten(specs)[0].shape[0]
+        own_step = tf.function(self.model.train_step)
+
+        def trace(layer, count):
+            if layer is None:
+                return own_step.get_concrete_function(specs)
+            with micro_batched_calls(self.model, layer, count):
+                return tf.function(self.model.train_step).get_concrete_function(specs)
+
+        step, self.memory_plan = plan_keras_step(
+            self.model, batch, self.memory_budget_bytes,
+            self._device_model or DeviceModel.measure(), micro_batches=self.micro_batches,
+            trace=trace, whole_batches=self.whole_batches)
+        self.report.memory = self.memory_plan.plan
+        if self.verbose:
+            print(self.report.memory.to_text(), flush=True)
+            if self.memory_plan.micro_batched_until:
+                print(f"  layers up to {self.memory_plan.micro_batched_until} run in "
+                      f"{self.memory_plan.micro_batches} micro-batches", flush=True)
+
+        def train_one(data):
+            if tf.nest.flatten(data)[0].shape[0] == batch:
+                return step(*tf.nest.flatten(data))
+            return own_step(data)  # another batch size (a last, partial one): no memory plan
+
+        def train_function(iterator):
+            next_data = iterator.get_next_as_optional()
+            if not next_data.has_value():
+                raise StopIteration
+            return train_one(next_data.get_value())
+        self.model.train_function = train_function
+        return train_one
+
+    def summary(self) -> str:
+        if self.report is None:
+            return "tf_ucudnn: no plans yet (they are made at the first training step)"
+        within = ("" if self.workspace_limit_bytes is None else
+                  f" within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel")
+        lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched"
+                 f"{within}, {len(self.report.left_alone)} left as they are"
+                 + ("; XLA compilation turned off under the memory budget" if self._jit_compile
+                    else "; the step compiled by XLA" if self.model.jit_compile else "")]
+        lines += self.report.to_text().splitlines()[1:]
+        if self.fuse_batch_norm:
+            lines.append(f"  batch normalization trained as fused kernels "
+                         f"({self.fuse_batch_norm}); "
+                         f"{len(self.unfused_batch_norm)} layer(s) left unfused")
+            lines += [f"    {u.layer}: {u.reason}" for u in self.unfused_batch_norm]
+        if self.stream_conv_batch_norm:
+            lines.append(f"  convolutions trained with their batch normalization, backward in "
+                         f"{self.stream_conv_batch_norm} micro-batches; "
+                         f"{len(self.unstreamed)} layer(s) not paired")
+            lines += [f"    {u.layer}: {u.reason}" for u in self.unstreamed]
+        return "\n".join(lines)
+
+    # Switching a layer's convolution.
+
+    @staticmethod
+    def _switch(layer, convolution_op) -> None:
+        # An instance attribute shadows the class's method; deleting it restores the method.
+        if convolution_op is None:
+            layer.__dict__.pop("convolution_op", None)
+        else:
+            layer.__dict__["convolution_op"] = convolution_op
+
+    @staticmethod
+    def _recording_op(patched: _PatchedLayer):
+        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+
+        def convolution_op(inputs, kernel):
+            if inputs.shape.is_fully_defined():
+                patched.traced_shape = tuple(inputs.shape)
+            record = patched.observed_shape.assign(tf.shape(inputs, out_type=tf.int64))
+            with tf.control_dependencies([record]):
+                return own_op(inputs, kernel)
+        return convolution_op
+
+    @staticmethod
+    def _planned_op(patched: _PatchedLayer):
+        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+        layer, plan = patched.conv_layer, patched.plan
+        conv = ops.conv2d if layer.num_spatial_dims == 2 else ops.conv3d
+
+        def convolution_op(inputs, kernel):
+            if inputs.shape.is_fully_defined() and tuple(inputs.shape) != layer.input_shape:
+                return own_op(inputs, kernel)
+            # Traced with the batch unknown, the op itself runs another batch size undivided:
+            # XLA would compile both branches of a tf.cond, the plan's at the wrong batch too.
+            return conv(inputs, kernel, strides=list(layer.strides), padding=layer.padding,
+                        data_format=layer.data_format, dilations=list(layer.dilations),
+                        plan=plan, plan_batch_size=layer.batch_size)
+        return convolution_op
+
+    def _retrace(self) -> None:
+        self.model.train_function = None
+        self.model.make_train_function()
+        self.model.test_function = None
+        self.model.predict_function = None
+
+    # The step trial.
+
+    def _time_trial_step(self, seconds: float) -> None:
+        trial = self._trial
+        trial.steps_seen += 1
+        result = trial.result
+        # Each step's first call is not timed: the planned one compiles, and the unplanned one
+        # may be optimized again (Grappler's options changed with the plans).
+        if trial.steps_seen == 1 or trial.steps_seen == result.steps + 2:
+            return
+        if len(result.planned_ms) < result.steps:
+            result.planned_ms.append(seconds * 1e3)
+            if len(result.planned_ms) == result.steps:
+                self.model.train_function = self._guarded(trial.unplanned)
+            return
+        result.unplanned_ms.append(seconds * 1e3)
+        if len(result.unplanned_ms) < result.steps:
+            return
+        self._trial = None
+        if result.planned_median_ms < result.unplanned_median_ms:
+            result.kept = "plans"
+            self.model.train_function = self._guarded(trial.planned)
+        else:
+            result.kept = result.own
+            reason = (f"measured: the step with the plans took {result.planned_median_ms:.2f} "
+                      f"ms, with {result.own} {result.unplanned_median_ms:.2f} ms")
+            self.report.left_alone += [LeftAlone(item.layer.name, "", reason)
+                                       for item in self.report.layers]
+            self.report.layers = []
+            for patched in self._patched:
+                patched.plan = None
+                self._switch(patched.layer, None)
+            self._restore_layout_optimizer()
+            # The step compiled before the plans runs on; tests and predictions trace again.
+            self.model.test_function = None
+            self.model.predict_function = None
+        if self.verbose:
+            print("tf_ucudnn:" + result.to_text()[1:], flush=True)
+
+    def _restore_layout_optimizer(self) -> None:
+        if self._layout_kept is not None:
+            tf.config.optimizer.set_experimental_options({"layout_optimizer": self._layout_kept})
+            self._layout_kept = None
+
+    def _guard_train_function(self) -> None:
+        self.model.train_function = self._guarded(self.model.train_function)
+
+    def _guarded(self, inner):
+        """A step that fails gives the model its own layers back before the error goes on:
+        Keras calls no callback when training stops on an error."""
+
+        def train_function(iterator):
+            try:
+                return inner(iterator)
+            except StopIteration:  # the end of an epoch, not an error
+                raise
+            except BaseException:
+                self.on_train_end()
+                raise
+        train_function.__qualname__ = inner.__qualname__
+        return train_function
+
+
+@dataclasses.dataclass
+class _Trial:
+    """A step trial under way: its result so far, and the two train functions it times."""
+
+    result: StepTrial
+    unplanned: object
+    planned: object
+    steps_seen: int = 0
+    step_began: float = 0.0
+
+
+def _grappler_layout_optimizer_off() -> bool:
+    """Turns Grappler's layout optimizer off for the functions TensorFlow instantiates from now
+    on, and returns its setting before. On a GPU it moves a float32 NHWC graph to NCHW, but
+    tf_ucudnn's ops are not among the ops it converts: it transposes every activation around
+    them and keeps both layouts of each activation alive for the backward pass. Steps already
+    run keep how they were optimized."""
+    kept = tf.config.optimizer.get_experimental_options().get("layout_optimizer", True)
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
+    return kept
+
+
+def _leave_alone_because(reason: str) -> LayerPlanner:
+    return lambda layer: reason

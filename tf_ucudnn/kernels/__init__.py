@@ -1,0 +1,6 @@
+"""The op library (loaded on first use), its Python wrappers and gradients. Importing the package
+registers the gradients, which need no library."""
+
+from tf_ucudnn.kernels import gradients
+
+__all__ = ["gradients"]

@@ -1,0 +1,1 @@
+"""What a step keeps alive: liveness analysis."""

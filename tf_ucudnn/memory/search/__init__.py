@@ -1,0 +1,1 @@
+"""The memory decision: which tensors to swap or recompute, and where micro-batches start."""

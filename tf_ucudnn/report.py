@@ -1,0 +1,106 @@
+"""What the entry points report, as plain data: each convolution planned with its plan, each one
+left alone with the reason, and the memory plan and step trial where they ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Optional
+
+from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.plan import LayerPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class RewrittenLayer:
+    layer: ConvLayer
+    scope: str  # "" for the main graph, else the library function's name
+    nodes: dict  # kernel -> node name
+    plan: LayerPlan
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer.name, "scope": self.scope, "nodes": self.nodes,
+                "plan": self.plan.to_json()}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeftAlone:
+    node: str
+    scope: str
+    reason: str
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    layers: list = dataclasses.field(default_factory=list)
+    left_alone: list = dataclasses.field(default_factory=list)
+    spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
+    memory: Optional[object] = None  # a tf_ucudnn.memory.search.step_plan.MemoryPlan, when one was made
+    # With it, a tf_ucudnn.memory.search.step_plan.PrefixStepPlan: the ops run in micro-batches, if any,
+    # and the choices passed over.
+    memory_prefix: Optional[object] = None
+    # A tf_ucudnn.keras.callback.StepTrial: the training step timed with the plans and without.
+    trial: Optional[object] = None
+
+    def to_json(self) -> dict:
+        return {"layers": [layer.to_json() for layer in self.layers],
+                "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
+                "spatial": [item.to_json() for item in self.spatial],
+                "memory": self.memory.to_json() if self.memory else None,
+                "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
+                "trial": self.trial.to_json() if self.trial else None}
+
+    def to_text(self) -> str:
+        lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
+                 + (f"{len(self.spatial)} split over devices, " if self.spatial else "")
+                 + f"{len(self.left_alone)} convolution node(s) left alone"]
+        for item in self.layers:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  {item.layer.name}{where}: {item.plan.dumps()}")
+        for item in self.spatial:
+            lines.append(f"  {item.layer}: split over {', '.join(item.devices)} "
+                         f"(slabs of {list(item.slab_rows)} rows)")
+        for item in self.left_alone:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  left alone {item.node}{where}: {item.reason}")
+        if self.memory:
+            lines.append(self.memory.to_text())
+        if self.memory_prefix and self.memory_prefix.cut:
+            lines.append(self.memory_prefix.to_text())
+        if self.trial:
+            lines.append(self.trial.to_text())
+        return "\n".join(lines)
+
+
+
+@dataclasses.dataclass
+class StepTrial:
+    """The training step timed with the plans and as Keras made it before them (with `own`, the
+    convolutions XLA or TensorFlow run), `steps` steps each, and which one training kept."""
+
+    steps: int
+    own: str  # "XLA's own convolutions" where XLA compiles the step, else TensorFlow's
+    planned_ms: list = dataclasses.field(default_factory=list)
+    unplanned_ms: list = dataclasses.field(default_factory=list)
+    kept: Optional[str] = None  # "plans" or `own`, once decided
+
+    @property
+    def planned_median_ms(self) -> Optional[float]:
+        return statistics.median(self.planned_ms) if self.planned_ms else None
+
+    @property
+    def unplanned_median_ms(self) -> Optional[float]:
+        return statistics.median(self.unplanned_ms) if self.unplanned_ms else None
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "own": self.own, "planned_ms": self.planned_ms,
+                "unplanned_ms": self.unplanned_ms, "kept": self.kept}
+
+    def to_text(self) -> str:
+        if self.kept is None:
+            return (f"  step trial unfinished: {len(self.planned_ms)} planned and "
+                    f"{len(self.unplanned_ms)} unplanned step(s) of {self.steps} timed")
+        return (f"  step trial: {self.planned_median_ms:.2f} ms with the plans, "
+                f"{self.unplanned_median_ms:.2f} ms with {self.own} "
+                f"(median of {self.steps}); kept {self.kept}")
+

@@ -1,0 +1,202 @@
+"""SavedModel conversion, in the manner of TF-TRT's `TrtGraphConverterV2`:
+
+    converter = tf_ucudnn.Converter("model_dir", batch_size=128, workspace_limit="64MiB")
+    converter.convert()
+    converter.save("model_ucudnn")
+    print(converter.summary())
+
+Each signature is traced at the planned batch size, its function calls inlined (a restored
+signature is a call of the saved function), and its convolutions rewritten with their plans. The
+converted signature keeps the original's inputs and outputs: a batch of the planned size runs the
+rewritten graph, any other size runs the original one. The variables are the original's, not
+copies. The output directory appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Optional, Sequence, Union
+
+import tensorflow as tf
+
+from tf_ucudnn.api import rewrite
+from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
+from tf_ucudnn.core.plan import LayerPlanner
+from tf_ucudnn.core.units import MIB, parse_bytes
+from tf_ucudnn.graph.rewrite import rewrite_convolutions
+from tf_ucudnn.report import RewriteReport
+
+
+class ConversionError(RuntimeError):
+    """Why a SavedModel cannot be converted; nothing is written when it is raised."""
+
+
+class Converter:
+    """Converts a SavedModel's convolutions to tf_ucudnn's micro-batched ops.
+
+    Args:
+      input_saved_model_dir: the SavedModel to convert.
+      batch_size: the batch size to plan for.
+      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
+      memory_budget: optionally, the device memory each signature's graph must fit in at the
+        planned batch size (checked by the memory planner, which also swaps and recomputes
+        where a signature keeps tensors for a backward pass, and where that is not enough runs
+        its ops up to a pooling in micro-batches); a BudgetError says by how much.
+      micro_batches: the numbers of micro-batches to try for that (`tf_ucudnn.rewrite`'s).
+      device_model: the `tf_ucudnn.memory.DeviceModel` for that (measured on a GPU if not given).
+      workspace_budget: optionally, a bound on all kernels' workspaces together (planned by the
+        network-wide ILP).
+      planner: gives each layer its plan or a reason to leave it alone; by default a
+        `DatabasePlanner` over `database` (measuring on a GPU, else planning from `profiles`
+        imported into it, of `device` and `cudnn_version` if it holds several machines').
+      signature_keys: the signatures to convert (default: all); the others are not saved.
+    """
+
+    def __init__(self, input_saved_model_dir: str, *, batch_size: int,
+                 workspace_limit: Union[int, str] = "64MiB",
+                 workspace_budget: Union[int, str, None] = None,
+                 memory_budget: Union[int, str, None] = None, device_model=None,
+                 micro_batches: Sequence[int] = (4, 8), planner: Optional[LayerPlanner] = None,
+                 signature_keys: Optional[Sequence[str]] = None, database: str = DEFAULT_DATABASE,
+                 profiles: Sequence[str] = (), device: Optional[str] = None,
+                 cudnn_version: Optional[int] = None):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.input_saved_model_dir = input_saved_model_dir
+        self.batch_size = batch_size
+        self.workspace_limit_bytes = parse_bytes(workspace_limit)
+        self._planner = planner
+        self.workspace_budget_bytes = (None if workspace_budget is None
+                                       else parse_bytes(workspace_budget))
+        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self._device_model = device_model
+        self.micro_batches = tuple(micro_batches)
+        self._planner_options = dict(database=database, profiles=profiles, device=device,
+                                     cudnn_version=cudnn_version,
+                                     workspace_budget=self.workspace_budget_bytes)
+        self._signature_keys = signature_keys
+        self._loaded = None
+        self._signatures: dict = {}
+        self.reports: dict[str, RewriteReport] = {}
+
+    def convert(self) -> dict[str, RewriteReport]:
+        """Plans and rewrites every signature; returns their reports."""
+        self.reports, self._signatures = {}, {}
+        loaded = _load(self.input_saved_model_dir)
+        available = dict(loaded.signatures)
+        keys = list(self._signature_keys or available)
+        unknown = [key for key in keys if key not in available]
+        if not available or unknown:
+            raise ConversionError(
+                f"{self.input_saved_model_dir}: no signature named {unknown}, it has "
+                f"{sorted(available)}" if unknown else
+                f"{self.input_saved_model_dir} has no signatures to convert")
+        planner, closing = self._planner, None
+        if planner is None:
+            try:
+                planner = closing = DatabasePlanner.open(self.workspace_limit_bytes,
+                                                         **self._planner_options)
+            except Exception as error:
+                raise ConversionError(f"no plans can be made: {error}") from error
+        signatures, reports = {}, {}
+        try:
+            for key in keys:
+                signatures[key], reports[key] = self._convert_signature(key, available[key],
+                                                                        planner)
+        finally:
+            if closing is not None:
+                closing.close()
+        if not any(report.layers or report.left_alone for report in reports.values()):
+            raise ConversionError(f"{self.input_saved_model_dir} has no Conv2D or Conv3D in "
+                                  f"signatures {keys}: nothing to convert")
+        if not any(report.layers for report in reports.values()):
+            reasons = "; ".join(f"{item.node}: {item.reason}" for report in reports.values()
+                                for item in report.left_alone[:3])
+            raise ConversionError(f"no convolution of {self.input_saved_model_dir} could be "
+                                  f"planned, e.g. {reasons}")
+        self._loaded, self._signatures, self.reports = loaded, signatures, reports
+        return reports
+
+    def _convert_signature(self, key, signature, planner):
+        args, kwargs = signature.structured_input_signature
+        if args:
+            raise ConversionError(f"signature {key!r} takes positional inputs; only keyword "
+                                  "inputs (as tf.saved_model.save writes them) are supported")
+        fixed = {}
+        for name, spec in kwargs.items():
+            if spec.shape.rank is None or spec.shape.rank == 0 or \
+                    spec.shape[0] not in (None, self.batch_size):
+                raise ConversionError(
+                    f"signature {key!r}: input {name!r} of shape {spec.shape} has no batch "
+                    f"dimension to set to {self.batch_size}")
+            fixed[name] = tf.TensorSpec([self.batch_size, *spec.shape[1:]], spec.dtype, name)
+        traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
+        planned, report = rewrite_convolutions(traced, planner, inline_functions=True)
+        if self.memory_budget_bytes is not None:
+            planned, with_memory = rewrite(planned.get_concrete_function(),
+                                           memory_budget=self.memory_budget_bytes,
+                                           device_model=self._device_model,
+                                           micro_batches=self.micro_batches)
+            report.memory, report.memory_prefix = with_memory.memory, with_memory.memory_prefix
+        names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
+        planned_shape = tf.constant([self.batch_size], tf.int64)
+
+        def serve(**inputs):
+            def run_planned():
+                # Outputs keep the original's static shapes (batch unknown), as serving expects.
+                return tf.nest.map_structure(
+                    lambda output, spec: tf.compat.v1.placeholder_with_default(output, spec.shape),
+                    planned(*[inputs[name] for name in names]), signature.structured_outputs)
+
+            batch = tf.shape(inputs[names[0]], out_type=tf.int64)[:1]
+            return tf.cond(tf.reduce_all(tf.equal(batch, planned_shape)), run_planned,
+                           lambda: signature(**inputs))
+
+        return tf.function(serve, autograph=False).get_concrete_function(**kwargs), report
+
+    def save(self, output_saved_model_dir: str, overwrite: bool = False) -> None:
+        """Writes the converted SavedModel; load it with tf.saved_model.load after importing
+        tf_ucudnn (which registers the ops)."""
+        if not self.reports:
+            raise ConversionError("convert() has not run, or failed: nothing to save")
+        output_saved_model_dir = os.path.abspath(output_saved_model_dir)
+        if os.path.exists(output_saved_model_dir) and os.listdir(output_saved_model_dir) and \
+                not overwrite:
+            raise ConversionError(f"{output_saved_model_dir} exists and is not empty")
+        parent = os.path.dirname(output_saved_model_dir)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".ucudnn-", dir=parent)
+        try:
+            root = tf.Module()
+            root.original = self._loaded  # tracks the variables the signatures capture
+            tf.saved_model.save(root, staging, signatures=self._signatures)
+            if os.path.exists(output_saved_model_dir):
+                shutil.rmtree(output_saved_model_dir)
+            os.replace(staging, output_saved_model_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def summary(self) -> str:
+        lines = [f"tf_ucudnn conversion of {self.input_saved_model_dir} at batch "
+                 f"{self.batch_size}, {self.workspace_limit_bytes / MIB:g} MiB of workspace per "
+                 "kernel" + (f", {self.workspace_budget_bytes / MIB:g} MiB for all together"
+                             if self.workspace_budget_bytes is not None else "")
+                 + " (other batch sizes run the original graph)"]
+        for key, report in self.reports.items():
+            lines.append(f"signature {key!r}: " + report.to_text())
+        return "\n".join(lines)
+
+
+def _load(path: str):
+    if not os.path.isdir(path):
+        raise ConversionError(f"no SavedModel at {path}: no such directory")
+    if not tf.saved_model.contains_saved_model(path):
+        raise ConversionError(f"no SavedModel at {path}: it holds no saved_model.pb")
+    try:
+        return tf.saved_model.load(path)
+    except Exception as error:  # TensorFlow raises many kinds for a damaged model
+        raise ConversionError(f"cannot load the SavedModel at {path} "
+                              f"({type(error).__name__}): {error}") from error
