@@ -22,7 +22,7 @@ import time
 import tensorflow as tf
 
 import tf_ucudnn
-from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 
@@ -117,7 +117,7 @@ def main():
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--workspace-limit", default="64MiB")
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--database", default=DEFAULT_DATABASE)
+    parser.add_argument("--database", help="the profile database (default: tf_ucudnn's)")
     parser.add_argument("--profiles", nargs="*", default=[])
     parser.add_argument("--out", required=True)
     run(parser.parse_args())

@@ -7,6 +7,7 @@ built without its cuDNN kernels. `python -m pytest tests -m gpu` runs the GPU ca
 
 import os
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -17,6 +18,11 @@ import tensorflow as tf
 import tf_ucudnn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `import reference`
+
+# The default profile database of the tests is their own, so measurements a developer's machine
+# holds in ~/.cache do not change what the tests plan.
+os.environ["TF_UCUDNN_DATABASE"] = os.path.join(
+    tempfile.mkdtemp(prefix="tf_ucudnn-tests-"), "profiles.sqlite")
 
 # Four logical CPU devices, for the spatial-parallel tests; set before TensorFlow starts its runtime.
 LOGICAL_CPUS = 4

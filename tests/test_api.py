@@ -5,6 +5,7 @@ import tensorflow as tf
 from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 import tf_ucudnn
+from tf_ucudnn.options import OptionsError
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.memory import BudgetError
 
@@ -39,12 +40,25 @@ def test_an_impossible_memory_budget_raises_before_anything_runs():
 
 def test_bad_requests_are_refused():
     step = conv_training_step()
-    with pytest.raises(ValueError, match="nothing to plan"):
-        tf_ucudnn.rewrite(step)
+    with pytest.raises(OptionsError, match="nothing to plan"):
+        tf_ucudnn.rewrite(step, workspace_limit=None)
     with pytest.raises(TypeError, match="memory_budget plans a training step"):
         tf_ucudnn.rewrite(step.graph.as_graph_def(), memory_budget="1GiB", device_model=SLOW_LINK)
-    with pytest.raises(ValueError, match="for the default planner"):
-        tf_ucudnn.rewrite(step, _split, workspace_limit="64MiB")
+    with pytest.raises(OptionsError, match="for the default planner"):
+        tf_ucudnn.rewrite(step, _split, workspace_budget="64MiB")
+    with pytest.raises(OptionsError, match="workspace_limit: cannot read '64 parsecs'"):
+        tf_ucudnn.rewrite(step, workspace_limit="64 parsecs")
+
+
+def test_without_measurements_every_convolution_is_reported_left_alone_with_why():
+    """The default 64 MiB limit needs profiles; with none (no GPU, nothing imported) the step is
+    returned as it is and the report names each convolution node and the reason."""
+    step = conv_training_step()
+    rewritten, report = tf_ucudnn.rewrite(step)
+    assert not report.layers and report.left_alone
+    assert all("no planner: cannot tell which machine's measurements" in item.reason
+               for item in report.left_alone)
+    assert rewritten is step
 
 
 def test_the_memory_plan_counts_the_workspace_the_convolutions_plans_need():

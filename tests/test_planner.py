@@ -102,7 +102,7 @@ def test_rewrite_builds_its_own_planner_from_a_database(profiles_dir, tmp_path):
                                database=str(tmp_path / "db.sqlite"))
     assert len(budget_report.layers) == 5
     with pytest.raises(ValueError, match="for the default planner"):
-        rewrite(concrete, lambda layer: "x", workspace_limit="64MiB")
+        rewrite(concrete, lambda layer: "x", workspace_budget="64MiB")
 
 
 def test_compared_with_xla_a_layer_is_planned_only_where_its_plan_is_predicted_faster(

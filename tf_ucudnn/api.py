@@ -12,30 +12,25 @@ convolution layer is split over devices instead, each device's part planned.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.plan import LayerPlanner
-from tf_ucudnn.core.units import parse_bytes
-from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_function
-from tf_ucudnn.graph.rewrite import apply_graph_pass, rewrite_convolutions
-from tf_ucudnn.memory.cost.device_model import DeviceModel
-from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
+from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError, Size
 from tf_ucudnn.parallel import spatial
-from tf_ucudnn.parallel.spatial_split import split_graph_def
-from tf_ucudnn.report import RewriteReport
-
-Size = Union[int, str, None]
+from tf_ucudnn.pipeline import plan_graph
 
 
-def rewrite(target, planner: Optional[LayerPlanner] = None, *, workspace_limit: Size = None,
-            workspace_budget: Size = None, memory_budget: Size = None,
-            spatial_split: Optional[int] = None, devices: Optional[Sequence[str]] = None,
-            device_model=None, step_ms: Optional[float] = None,
-            micro_batches: Sequence[int] = (4, 8), inline_functions: bool = False,
-            jit_compile: bool = False, **planner_options):
+def rewrite(target, planner: Optional[LayerPlanner] = None, *,
+            workspace_limit: Size = DEFAULT_WORKSPACE_LIMIT, workspace_budget: Size = None,
+            memory_budget: Size = None, spatial_split: Optional[int] = None,
+            devices: Optional[Sequence[str]] = None, device_model=None,
+            step_ms: Optional[float] = None, micro_batches: Sequence[int] = (4, 8),
+            inline_functions: bool = False, jit_compile: bool = False,
+            database: Optional[str] = None, profiles: Sequence[str] = (),
+            device: Optional[str] = None, cudnn_version: Optional[int] = None,
+            options: Optional[Options] = None):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
@@ -46,9 +41,12 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *, workspace_limit: 
     first.
 
     Convolution plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason),
-    or from a `DatabasePlanner` for `workspace_limit` per kernel and/or a `workspace_budget`
-    shared by all kernels (bytes, or sizes such as "64MiB"); `planner_options` go to
-    `DatabasePlanner.open`. Without any of these the convolutions are left as they are.
+    or from the profile database for `workspace_limit` per kernel (64 MiB unless given; None
+    leaves the convolutions to TensorFlow) and/or a `workspace_budget` shared by all kernels
+    (bytes, or sizes such as "64MiB"), planned from the profile `database` with `profiles`
+    imported into it (see `tf_ucudnn.Options` for these and `device`, `cudnn_version`);
+    `options` gives every setting at once instead. Where no measurements can be had, each convolution is reported left alone
+    with the reason.
 
     `spatial_split` (a number of devices, or the `devices` themselves) splits every convolution
     layer of the main graph along its first spatial dimension over that many GPUs (logical CPUs
@@ -62,56 +60,33 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *, workspace_limit: 
     `tf_ucudnn.memory.DeviceModel`; measured on the GPU if not given) and, if given, the measured
     time of the step without swaps (`step_ms`) to calibrate the op time estimates. Where no such
     plan fits, the step's ops up to a pooling run in micro-batches, made again for the backward
-    pass (`tf_ucudnn.memory.passes.graph_prefix`): after the shallowest pooling at which the plan then
-    fits, in whichever of `micro_batches` gives the shortest predicted step. The report's
+    pass (`tf_ucudnn.memory.passes.graph_prefix`): after the shallowest pooling at which the plan
+    then fits, in whichever of `micro_batches` gives the shortest predicted step. The report's
     `memory` is the plan, its `memory_prefix` the choice (the pooling's output and the count,
     or none) with every choice passed over and why. A budget that cannot be met raises
     `tf_ucudnn.memory.BudgetError`, saying by how much and what was tried.
     """
-    plans_convolutions = planner is not None or workspace_limit is not None or \
-        workspace_budget is not None
+    if options is None:
+        options = Options(workspace_limit=workspace_limit, workspace_budget=workspace_budget,
+                          memory_budget=memory_budget, micro_batches=micro_batches,
+                          database=database, profiles=profiles, device=device,
+                          cudnn_version=cudnn_version)
+    if planner is not None and options.workspace_budget is not None:
+        raise OptionsError("workspace_budget is for the default planner; a given planner has "
+                           "its own")
     splits = spatial_split is not None or devices is not None
-    if planner is not None and (workspace_limit is not None or workspace_budget is not None
-                                or planner_options):
-        raise ValueError("workspace_limit, workspace_budget and planner options are for the "
-                         "default planner; a given planner has its own")
-    if not plans_convolutions and not splits and memory_budget is None:
-        raise ValueError("nothing to plan: give a planner, a workspace_limit, a workspace_budget, "
-                         "a spatial_split or a memory_budget")
-    if memory_budget is not None and not is_concrete_function(target):
-        raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
-                        f"(got {type(target).__name__})")
+    if planner is None and not options.plans_convolutions and not splits and \
+            options.memory_budget is None:
+        raise OptionsError("nothing to plan: workspace_limit=None leaves the convolutions to "
+                           "TensorFlow; give a spatial_split or a memory_budget too")
     if splits:
         devices = list(devices) if devices else spatial.default_devices(spatial_split)
         if spatial_split is not None and len(devices) != spatial_split:
-            raise ValueError(f"spatial_split={spatial_split} but {len(devices)} devices given")
-
-    def convolution_pass(conv_planner):
-        if splits:
-            return apply_graph_pass(target, lambda graph_def, graph: split_graph_def(
-                graph_def, devices, conv_planner, graph), inline_functions=inline_functions)
-        return rewrite_convolutions(target, conv_planner, inline_functions=inline_functions)
-
-    report = RewriteReport()
-    rewritten = target
-    if planner is None and plans_convolutions:
-        with DatabasePlanner.open(workspace_limit, workspace_budget=workspace_budget,
-                                  **planner_options) as default_planner:
-            rewritten, report = convolution_pass(default_planner)
-    elif planner is not None or splits:
-        rewritten, report = convolution_pass(planner)
-    elif inline_functions and is_concrete_function(target):
-        rewritten = inline_function_calls(target)
-    if memory_budget is None:
-        return _compiled(rewritten, jit_compile), report
-
-    step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
-        else rewritten
-    planned, report.memory_prefix = plan_step_with_prefix(
-        step, parse_bytes(memory_budget), device_model or DeviceModel.measure(), step_ms=step_ms,
-        micro_batches=micro_batches)
-    report.memory = report.memory_prefix.plan
-    return _compiled(planned, jit_compile), report
+            raise OptionsError(f"spatial_split={spatial_split} but {len(devices)} devices given")
+    rewritten, report = plan_graph(target, options, planner, spatial_devices=devices,
+                                   inline_functions=inline_functions, device_model=device_model,
+                                   step_ms=step_ms)
+    return _compiled(rewritten, jit_compile), report
 
 
 def _compiled(rewritten, jit_compile: bool):

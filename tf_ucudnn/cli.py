@@ -1,6 +1,6 @@
 """The `tf-ucudnn` command.
 
-    tf-ucudnn plan MODEL --batch 256 [--workspace-limit-mib 64 | --budget-mib N --mode MODE]
+    tf-ucudnn plan MODEL --batch 256 [--workspace-limit 64MiB | --workspace-budget 512MiB --mode MODE]
 
 prints, per layer and kernel, the micro-batches and algorithms chosen, their predicted time and
 workspace, against the best undivided algorithm under the same limit.
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, PlannerError, resolve_machine
+from tf_ucudnn.conv_planning.database_planner import resolve_machine
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, pareto_configurations
 from tf_ucudnn.conv_planning.network_ilp import (
     DYNAMIC_ALLOCATOR,
@@ -34,18 +34,19 @@ from tf_ucudnn.conv_planning.network_ilp import (
 )
 from tf_ucudnn.conv_planning.plan_report import PlanReport, kernel_limit_report, network_report
 from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import KERNELS
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
+from tf_ucudnn.options import Options
 from tf_ucudnn.profiling import POLICIES, POWER_OF_TWO, ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine, profile
-from tf_ucudnn.savedmodel.converter import ConversionError, Converter
+from tf_ucudnn.savedmodel.converter import Converter
 
 PER_KERNEL = "per_kernel"
-MIB = 1 << 20
 
 
-class PlanError(RuntimeError):
+class PlanError(TfUcudnnError, RuntimeError):
     """Why no plan could be made, for the command line to print."""
 
 
@@ -138,9 +139,10 @@ def _plan_command(args) -> int:
     if not layers:
         raise PlanError(f"{args.model} has no convolution tf_ucudnn can plan")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.database)), exist_ok=True)
-    with ProfileDatabase(args.database) as database:
-        for path in args.profiles:
+    options = _options(args)
+    os.makedirs(os.path.dirname(os.path.abspath(options.database)), exist_ok=True)
+    with ProfileDatabase(options.database) as database:
+        for path in options.profiles:
             database.import_jsonl(path)
         machine, can_measure = resolve_machine(database, args.device, args.cudnn_version)
         if can_measure:
@@ -150,13 +152,13 @@ def _plan_command(args) -> int:
             profile([(g, label) for g, label in unique.items()], args.batch, database,
                     policy=args.policy)
         mode = args.mode
-        limit = (args.workspace_limit_mib if mode == PER_KERNEL else args.budget_mib)
+        limit = options.workspace_limit if mode == PER_KERNEL else options.workspace_budget
         if limit is None:
             raise PlanError(f"mode {mode} needs "
-                            + ("--workspace-limit-mib" if mode == PER_KERNEL else "--budget-mib"))
+                            + ("--workspace-limit" if mode == PER_KERNEL else "--workspace-budget"))
         report = make_report(
             layers, database, machine, batch_size=args.batch, mode=mode,
-            limit_bytes=int(limit * MIB),
+            limit_bytes=limit,
             deterministic=args.deterministic or tf_config.is_op_determinism_enabled(),
             live_bytes=training_live_bytes(layers) if mode == DYNAMIC_ALLOCATOR else None,
             call_overhead_ms=args.call_overhead_us / 1000)
@@ -170,15 +172,17 @@ def _plan_command(args) -> int:
     return 0
 
 
+def _options(args) -> Options:
+    """The command's Options: every command spells and reads the sizes the same way."""
+    return Options(workspace_limit=args.workspace_limit, workspace_budget=args.workspace_budget,
+                   memory_budget=getattr(args, "memory_budget", None),
+                   micro_batches=getattr(args, "micro_batches", (4, 8)), database=args.database,
+                   profiles=args.profiles, device=args.device, cudnn_version=args.cudnn_version)
+
+
 def _convert_command(args) -> int:
     converter = Converter(args.input_dir, batch_size=args.batch_size,
-                          workspace_limit=args.workspace_limit,
-                          workspace_budget=args.workspace_budget,
-                          memory_budget=args.memory_budget,
-                          micro_batches=args.micro_batches,
-                          signature_keys=args.signatures,
-                          database=args.database, profiles=args.profiles, device=args.device,
-                          cudnn_version=args.cudnn_version)
+                          signature_keys=args.signatures, options=_options(args))
     converter.convert()
     converter.save(args.output_dir, overwrite=args.overwrite)
     print(converter.summary())
@@ -186,8 +190,13 @@ def _convert_command(args) -> int:
     return 0
 
 
-def _add_database_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--database", default=DEFAULT_DATABASE)
+def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database", help="the profile database file (default "
+                        "$TF_UCUDNN_DATABASE or ~/.cache/tf_ucudnn/profiles.sqlite)")
+    parser.add_argument("--workspace-limit", default="64MiB",
+                        help="each kernel's cuDNN workspace limit, e.g. 64MiB (default)")
+    parser.add_argument("--workspace-budget",
+                        help="all kernels' workspaces together, e.g. 512MiB (the ILP plans them)")
     parser.add_argument("--profiles", nargs="*", default=[], help="JSON-lines files to import")
     parser.add_argument("--device", help="plan with this device's measurements")
     parser.add_argument("--cudnn-version", type=int)
@@ -204,36 +213,30 @@ def build_parser() -> argparse.ArgumentParser:
                       default="channels_last")
     plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     plan.add_argument("--mode", choices=[PER_KERNEL, *MODES], default=PER_KERNEL,
-                      help="per_kernel: each kernel within --workspace-limit-mib (μ-cuDNN's WR); "
-                           "shared_workspace / dynamic_allocator: the ILP under --budget-mib")
-    plan.add_argument("--workspace-limit-mib", type=float)
-    plan.add_argument("--budget-mib", type=float)
+                      help="per_kernel: each kernel within --workspace-limit (μ-cuDNN's WR); "
+                           "shared_workspace / dynamic_allocator: the ILP under --workspace-budget")
     plan.add_argument("--policy", choices=POLICIES, default=POWER_OF_TWO,
                       help="micro-batch sizes to measure on a GPU")
     plan.add_argument("--deterministic", action="store_true",
                       help="deterministic algorithms only (implied by TF's op determinism)")
     plan.add_argument("--call-overhead-us", type=float, default=0.0,
                       help="host time of one micro-batch's call, added to cuDNN's timings")
-    _add_database_arguments(plan)
+    _add_planning_arguments(plan)
     plan.add_argument("--json", help="also write the report here as JSON")
 
     convert = commands.add_parser("convert", help="convert a SavedModel's convolutions")
     convert.add_argument("input_dir")
     convert.add_argument("output_dir")
     convert.add_argument("--batch-size", type=int, required=True)
-    convert.add_argument("--workspace-limit", default="64MiB",
-                         help="per kernel, e.g. 64MiB, 1GiB (default 64MiB)")
     convert.add_argument("--memory-budget",
                          help="device memory each signature must fit in at --batch-size")
     convert.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8],
                          help="numbers of micro-batches to try for the ops up to a pooling "
                               "where the memory budget needs them (default 4 8)")
-    convert.add_argument("--workspace-budget",
-                         help="all kernels' workspaces together, planned by the network ILP")
     convert.add_argument("--signatures", nargs="*", help="signature keys to convert (default all)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace OUTPUT_DIR if it exists")
-    _add_database_arguments(convert)
+    _add_planning_arguments(convert)
     return parser
 
 
@@ -242,8 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = {"plan": _plan_command, "convert": _convert_command}[args.command]
     try:
         return command(args)
-    except (PlanError, PlannerError, ConversionError, NoFeasiblePlanError, InfeasibleBudgetError,
-            ValueError) as error:
+    except (TfUcudnnError, ValueError) as error:
         print(f"tf-ucudnn {args.command}: {error}", file=sys.stderr)
         return 2
 

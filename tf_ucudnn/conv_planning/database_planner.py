@@ -30,16 +30,16 @@ from tf_ucudnn.conv_planning.kernel_dp import (
 )
 from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
 from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import KERNELS, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
+from tf_ucudnn.options import default_database
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
 
-DEFAULT_DATABASE = os.path.join(os.path.expanduser("~"), ".cache", "tf_ucudnn", "profiles.sqlite")
 
-
-class PlannerError(RuntimeError):
+class PlannerError(TfUcudnnError, RuntimeError):
     """Why no planner could be set up (no measurements to plan with), for the user to read."""
 
 
@@ -106,7 +106,7 @@ class DatabasePlanner:
 
     @classmethod
     def open(cls, workspace_limit: Union[int, str, None] = None,
-             database: str = DEFAULT_DATABASE, profiles: Iterable[str] = (),
+             database: Optional[str] = None, profiles: Iterable[str] = (),
              device: Optional[str] = None, cudnn_version: Optional[int] = None,
              workspace_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
         """A planner over the database file (created if new), with `profiles` imported into it.
@@ -114,6 +114,7 @@ class DatabasePlanner:
         On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
         measurements of `device` (or of the only machine the database holds). Close it when done.
         """
+        database = database or default_database()
         os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
         db = ProfileDatabase(database)
         try:

@@ -21,6 +21,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import (
     BACKPROP_FILTER,
     BACKPROP_INPUT,
@@ -46,7 +47,7 @@ def is_deterministic(kernel: str, algo: int) -> bool:
     return algo not in NONDETERMINISTIC_ALGORITHMS[kernel]
 
 
-class NoFeasiblePlanError(ValueError):
+class NoFeasiblePlanError(TfUcudnnError, ValueError):
     """No sequence of measured micro-batches sums to the batch size within the workspace limit."""
 
 

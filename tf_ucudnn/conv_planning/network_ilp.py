@@ -25,6 +25,7 @@ from typing import Sequence
 import pulp
 
 from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import KERNELS, KernelPlan, LayerPlan
 
 SHARED_WORKSPACE = "shared_workspace"
@@ -97,7 +98,7 @@ class NetworkPlan:
                 "kernels": [planned.to_json() for planned in self.kernels]}
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(TfUcudnnError, ValueError):
     """No choice of configurations fits the budget. `shortfall_bytes` says by how much at least,
     `kernels` names the kernels (layer/kernel) that cannot fit or need the most."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
 
 
@@ -89,6 +90,6 @@ class ConvLayer:
         return dataclasses.asdict(self)
 
 
-class UnsupportedConvolution(ValueError):
+class UnsupportedConvolution(TfUcudnnError, ValueError):
     """A convolution op this package cannot plan for; the message names it and says why."""
 

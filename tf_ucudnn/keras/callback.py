@@ -30,10 +30,9 @@ from typing import Optional, Sequence, Union
 import keras
 import tensorflow as tf
 
-from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
 from tf_ucudnn.core.plan import LayerPlan, LayerPlanner
-from tf_ucudnn.core.units import MIB, parse_bytes
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.batch_size_tuner import KerasStepPlan, plan_keras_step
 from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
@@ -41,6 +40,9 @@ from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.kernels import ops
 from tf_ucudnn.memory import DeviceModel
+from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, Size
+from tf_ucudnn.pipeline import conv_planner, leave_alone_because
+from tf_ucudnn.profiling.database import ProfileDatabaseError
 from tf_ucudnn.report import LeftAlone, RewriteReport, RewrittenLayer, StepTrial
 
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
@@ -107,9 +109,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
     the step trial if one ran, and the memory plan if one was made.
     """
 
-    def __init__(self, workspace_limit: Union[int, str] = "64MiB",
+    def __init__(self, workspace_limit: Size = DEFAULT_WORKSPACE_LIMIT,
                  planner: Optional[LayerPlanner] = None,
-                 *, database: str = DEFAULT_DATABASE, profiles=(),
+                 *, database: Optional[str] = None, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
@@ -119,16 +121,13 @@ class MicroBatchCallback(keras.callbacks.Callback):
             raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
                              f"workspace_limit=None, not {workspace_limit!r}: the streamed pairs' "
                              f"gradients are TensorFlow's convolutions, not planned ones")
-        self.workspace_limit_bytes = (None if workspace_limit is None else
-                                      parse_bytes(workspace_limit))
-        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
+        self.options = Options(workspace_limit=workspace_limit, memory_budget=memory_budget,
+                               micro_batches=micro_batches, database=database,
+                               profiles=profiles)
         self._device_model = device_model
-        self.micro_batches = tuple(micro_batches)
         self.whole_batches = whole_batches
         self.memory_plan: Optional[KerasStepPlan] = None
         self._planner = planner
-        self._database = database
-        self._profiles = tuple(profiles)
         self.verbose = verbose
         if trial_steps < 0:
             raise ValueError(f"trial_steps must be 0 or more, got {trial_steps}")
@@ -151,7 +150,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._patched = []
         left_alone = []
         for layer in _convolution_layers(self.model):
-            if self.workspace_limit_bytes is None:
+            if self.options.workspace_limit is None:
                 left_alone.append(LeftAlone(layer.path, "", "workspace_limit=None: "
                                             "TensorFlow's own convolution"))
                 continue
@@ -167,7 +166,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._left_alone_before_planning = left_alone
         for patched in self._patched:
             self._switch(patched.layer, self._recording_op(patched))
-        if self.memory_budget_bytes is not None and self.model.steps_per_execution != 1:
+        if self.options.memory_budget is not None and self.model.steps_per_execution != 1:
             raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
                              f"compile the model with steps_per_execution=1, not "
                              f"{self.model.steps_per_execution}")
@@ -178,7 +177,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if self.stream_conv_batch_norm:
             self.unstreamed = self._layer_switches.enter_context(
                 streamed_conv_batch_norm(self.model, self.stream_conv_batch_norm))
-        if self.memory_budget_bytes is not None and self.model.jit_compile:
+        if self.options.memory_budget is not None and self.model.jit_compile:
             # The memory-planned step orders its swaps and recomputations by control edges, which
             # XLA would not keep, so XLA is off from the first step on (sparing a compilation for
             # one step); the model's own setting comes back at the end.
@@ -186,7 +185,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             self.model.jit_compile = False
         self._trial = None
         self._retrace()
-        if self.memory_budget_bytes is not None:
+        if self.options.memory_budget is not None:
             self.model.train_function = self._planning_train_function
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -238,15 +237,15 @@ class MicroBatchCallback(keras.callbacks.Callback):
         """Plans each patched layer for `input_shape(patched)`, its input's shape as a step saw
         it (zeros or None where no step called the layer)."""
         report = RewriteReport(left_alone=list(self._left_alone_before_planning))
-        planner, closing = self._planner, None
-        if planner is None and self._patched:
-            try:
-                planner = closing = DatabasePlanner.open(
-                    self.workspace_limit_bytes, self._database, self._profiles,
-                    compare_with_xla=bool(self.model.jit_compile))
-            except Exception as error:  # no GPU and no measurements: say so, train as is
-                planner = _leave_alone_because(f"no planner: {error}")
+        opened, planner = contextlib.ExitStack(), None
         try:
+            if self._patched:
+                planner = opened.enter_context(conv_planner(
+                    self.options, self._planner,
+                    compare_with_xla=bool(self.model.jit_compile)))
+        except ProfileDatabaseError as error:  # training goes on as it is, and says why
+            planner = leave_alone_because(f"no planner: {error}")
+        with opened:
             for patched in self._patched:
                 shape = input_shape(patched)
                 if not shape or not all(shape):
@@ -261,9 +260,6 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     continue
                 patched.plan = plan
                 report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
-        finally:
-            if closing is not None:
-                closing.close()
         for patched in self._patched:
             self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
         if report.layers and not self.model.jit_compile:
@@ -307,8 +303,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 return tf.function(self.model.train_step).get_concrete_function(specs)
 
         step, self.memory_plan = plan_keras_step(
-            self.model, batch, self.memory_budget_bytes,
-            self._device_model or DeviceModel.measure(), micro_batches=self.micro_batches,
+            self.model, batch, self.options.memory_budget,
+            self._device_model or DeviceModel.measure(), micro_batches=self.options.micro_batches,
             trace=trace, whole_batches=self.whole_batches)
         self.report.memory = self.memory_plan.plan
         if self.verbose:
@@ -333,8 +329,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
     def summary(self) -> str:
         if self.report is None:
             return "tf_ucudnn: no plans yet (they are made at the first training step)"
-        within = ("" if self.workspace_limit_bytes is None else
-                  f" within {self.workspace_limit_bytes / MIB:g} MiB of workspace per kernel")
+        within = ("" if self.options.workspace_limit is None else
+                  f" within {self.options.workspace_limit / MIB:g} MiB of workspace per kernel")
         lines = [f"tf_ucudnn: {len(self.report.layers)} convolution layer(s) micro-batched"
                  f"{within}, {len(self.report.left_alone)} left as they are"
                  + ("; XLA compilation turned off under the memory budget" if self._jit_compile
@@ -479,7 +475,3 @@ def _grappler_layout_optimizer_off() -> bool:
     kept = tf.config.optimizer.get_experimental_options().get("layout_optimizer", True)
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     return kept
-
-
-def _leave_alone_because(reason: str) -> LayerPlanner:
-    return lambda layer: reason

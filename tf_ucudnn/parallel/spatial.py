@@ -25,13 +25,14 @@ from typing import Callable, Optional, Sequence
 import tensorflow as tf
 
 from tf_ucudnn.core.conv_layer import ConvLayer, same_padding
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import even_sizes as _even_sizes
 from tf_ucudnn.kernels import ops
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
 
 
-class SpatialSplitError(ValueError):
+class SpatialSplitError(TfUcudnnError, ValueError):
     """A split the layer cannot use; says which device and why."""
 
 

@@ -19,6 +19,7 @@ import sqlite3
 import time
 from typing import Iterable, Iterator, Optional
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.profiling.records import (
     AlgorithmTiming,
@@ -55,7 +56,7 @@ CREATE TABLE measurements (
 """
 
 
-class ProfileDatabaseError(Exception):
+class ProfileDatabaseError(TfUcudnnError, Exception):
     """The profile database file cannot be used; says which file and why."""
 
     def __init__(self, path: str, reason: str):

@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Sequence
 import tensorflow as tf
 from tqdm.auto import tqdm
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import KERNELS, MATH_TYPES
 from tf_ucudnn.kernels.library import gpu_kernels_available, op_library
@@ -22,7 +23,7 @@ from tf_ucudnn.profiling.records import POWER_OF_TWO, ProfileRecord, micro_batch
 DEFAULT_WORKSPACE_LIMIT = 4 << 30
 
 
-class ProfilerUnavailable(RuntimeError):
+class ProfilerUnavailable(TfUcudnnError, RuntimeError):
     """No GPU, or tf_ucudnn was built without its cuDNN kernels."""
 
 

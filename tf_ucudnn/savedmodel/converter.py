@@ -17,19 +17,19 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from tf_ucudnn.api import rewrite
-from tf_ucudnn.conv_planning.database_planner import DEFAULT_DATABASE, DatabasePlanner
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import LayerPlanner
-from tf_ucudnn.core.units import MIB, parse_bytes
-from tf_ucudnn.graph.rewrite import rewrite_convolutions
+from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError, Size
+from tf_ucudnn.pipeline import conv_planner, plan_graph
+from tf_ucudnn.profiling.database import ProfileDatabaseError
 from tf_ucudnn.report import RewriteReport
 
 
-class ConversionError(RuntimeError):
+class ConversionError(TfUcudnnError, RuntimeError):
     """Why a SavedModel cannot be converted; nothing is written when it is raised."""
 
 
@@ -55,27 +55,22 @@ class Converter:
     """
 
     def __init__(self, input_saved_model_dir: str, *, batch_size: int,
-                 workspace_limit: Union[int, str] = "64MiB",
-                 workspace_budget: Union[int, str, None] = None,
-                 memory_budget: Union[int, str, None] = None, device_model=None,
+                 workspace_limit: Size = DEFAULT_WORKSPACE_LIMIT, workspace_budget: Size = None,
+                 memory_budget: Size = None, device_model=None,
                  micro_batches: Sequence[int] = (4, 8), planner: Optional[LayerPlanner] = None,
-                 signature_keys: Optional[Sequence[str]] = None, database: str = DEFAULT_DATABASE,
+                 signature_keys: Optional[Sequence[str]] = None, database: Optional[str] = None,
                  profiles: Sequence[str] = (), device: Optional[str] = None,
-                 cudnn_version: Optional[int] = None):
+                 cudnn_version: Optional[int] = None, options: Optional[Options] = None):
         if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+            raise OptionsError(f"batch_size must be positive, got {batch_size}")
         self.input_saved_model_dir = input_saved_model_dir
         self.batch_size = batch_size
-        self.workspace_limit_bytes = parse_bytes(workspace_limit)
+        self.options = options or Options(
+            workspace_limit=workspace_limit, workspace_budget=workspace_budget,
+            memory_budget=memory_budget, micro_batches=micro_batches, database=database,
+            profiles=profiles, device=device, cudnn_version=cudnn_version)
         self._planner = planner
-        self.workspace_budget_bytes = (None if workspace_budget is None
-                                       else parse_bytes(workspace_budget))
-        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget)
         self._device_model = device_model
-        self.micro_batches = tuple(micro_batches)
-        self._planner_options = dict(database=database, profiles=profiles, device=device,
-                                     cudnn_version=cudnn_version,
-                                     workspace_budget=self.workspace_budget_bytes)
         self._signature_keys = signature_keys
         self._loaded = None
         self._signatures: dict = {}
@@ -93,21 +88,14 @@ class Converter:
                 f"{self.input_saved_model_dir}: no signature named {unknown}, it has "
                 f"{sorted(available)}" if unknown else
                 f"{self.input_saved_model_dir} has no signatures to convert")
-        planner, closing = self._planner, None
-        if planner is None:
-            try:
-                planner = closing = DatabasePlanner.open(self.workspace_limit_bytes,
-                                                         **self._planner_options)
-            except Exception as error:
-                raise ConversionError(f"no plans can be made: {error}") from error
         signatures, reports = {}, {}
         try:
-            for key in keys:
-                signatures[key], reports[key] = self._convert_signature(key, available[key],
-                                                                        planner)
-        finally:
-            if closing is not None:
-                closing.close()
+            with conv_planner(self.options, self._planner) as planner:
+                for key in keys:
+                    signatures[key], reports[key] = self._convert_signature(key, available[key],
+                                                                            planner)
+        except ProfileDatabaseError as error:
+            raise ConversionError(f"no plans can be made: {error}") from error
         if not any(report.layers or report.left_alone for report in reports.values()):
             raise ConversionError(f"{self.input_saved_model_dir} has no Conv2D or Conv3D in "
                                   f"signatures {keys}: nothing to convert")
@@ -133,13 +121,8 @@ class Converter:
                     f"dimension to set to {self.batch_size}")
             fixed[name] = tf.TensorSpec([self.batch_size, *spec.shape[1:]], spec.dtype, name)
         traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
-        planned, report = rewrite_convolutions(traced, planner, inline_functions=True)
-        if self.memory_budget_bytes is not None:
-            planned, with_memory = rewrite(planned.get_concrete_function(),
-                                           memory_budget=self.memory_budget_bytes,
-                                           device_model=self._device_model,
-                                           micro_batches=self.micro_batches)
-            report.memory, report.memory_prefix = with_memory.memory, with_memory.memory_prefix
+        planned, report = plan_graph(traced, self.options, planner, inline_functions=True,
+                                     device_model=self._device_model)
         names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
         planned_shape = tf.constant([self.batch_size], tf.int64)
 
@@ -181,10 +164,8 @@ class Converter:
 
     def summary(self) -> str:
         lines = [f"tf_ucudnn conversion of {self.input_saved_model_dir} at batch "
-                 f"{self.batch_size}, {self.workspace_limit_bytes / MIB:g} MiB of workspace per "
-                 "kernel" + (f", {self.workspace_budget_bytes / MIB:g} MiB for all together"
-                             if self.workspace_budget_bytes is not None else "")
-                 + " (other batch sizes run the original graph)"]
+                 f"{self.batch_size}, {self.options.describe_workspace()} "
+                 "(other batch sizes run the original graph)"]
         for key, report in self.reports.items():
             lines.append(f"signature {key!r}: " + report.to_text())
         return "\n".join(lines)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.graph.functions import callable_over, graph_of
 from tf_ucudnn.memory.passes.graph_edits import KeptTensor, protect, rewire
 
@@ -42,7 +43,7 @@ class Recompute(KeptTensor):
         object.__setattr__(self, "chain", tuple(self.chain))
 
 
-class RecomputeError(ValueError):
+class RecomputeError(TfUcudnnError, ValueError):
     """A recomputation that cannot be made; names the tensor and the reason."""
 
 

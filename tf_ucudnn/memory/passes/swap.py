@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.graph.functions import callable_over, graph_of
 from tf_ucudnn.memory.passes.graph_edits import KeptTensor, protect, rewire
 
@@ -53,7 +54,7 @@ class Swap(KeptTensor):
         object.__setattr__(self, "held_back", tuple(self.held_back))
 
 
-class SwapError(ValueError):
+class SwapError(TfUcudnnError, ValueError):
     """A swap that cannot be made; names the tensor and the reason."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.simulator import (
     Prediction,
@@ -20,7 +21,6 @@ from tf_ucudnn.memory.cost.simulator import (
     needed_by,
     predict,
 )
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +314,7 @@ def _greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, recomputing: 
     return MemoryDecisions(tuple(swaps), tuple(decisions), prediction)
 
 
-class BudgetError(ValueError):
+class BudgetError(TfUcudnnError, ValueError):
     """The budget cannot be met; says by how much it is missed."""
 
     def __init__(self, budget_bytes: int, prediction: Prediction, tried: str = ""):
