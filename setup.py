@@ -96,6 +96,13 @@ def _cudnn_link_flag(library_dirs):
     return "-l:" + os.path.basename(versioned[0])
 
 
+def _object_path(objects_dir, src):
+    # Mirrors cc/'s folders: two op families may each have a source of the same name.
+    obj = os.path.join(objects_dir, src + ".o")
+    os.makedirs(os.path.dirname(obj), exist_ok=True)
+    return obj
+
+
 class BuildTensorFlowOps(build_ext):
     """Compiles the op library with the system compiler and TensorFlow's own flags."""
 
@@ -116,7 +123,7 @@ class BuildTensorFlowOps(build_ext):
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
             gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
             for src in CUDA_SOURCES:
-                obj = os.path.join(objects_dir, os.path.basename(src) + ".o")
+                obj = _object_path(objects_dir, src)
                 commands.append([cuda["nvcc"], "-O2", "-std=c++17", "-x", "cu", "-I", HERE,
                                  "-Xcompiler", "-fPIC", *gencode, "-c", src, "-o", obj])
                 objects.append(obj)
@@ -125,7 +132,7 @@ class BuildTensorFlowOps(build_ext):
         else:
             print(f"tf_ucudnn: building the CPU kernels only; GPU kernels skipped: {missing}")
         for src in sources:
-            obj = os.path.join(objects_dir, os.path.basename(src) + ".o")
+            obj = _object_path(objects_dir, src)
             commands.append([*base, "-c", src, "-o", obj])
             objects.append(obj)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

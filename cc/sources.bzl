@@ -2,28 +2,34 @@
 
 # Built everywhere: the ops, the CPU kernels and the XLA kernels.
 COMMON_SOURCES = [
-    "cc/ops/batch_norm_ops.cc",
-    "cc/ops/conv_ops.cc",
-    "cc/ops/profile_ops.cc",
-    "cc/kernels/batch_norm_cpu.cc",
-    "cc/kernels/batch_norm_xla.cc",
-    "cc/kernels/conv_cpu.cc",
-    "cc/kernels/conv_geometry.cc",
-    "cc/kernels/conv_xla.cc",
-    "cc/kernels/micro_batch_plan.cc",
-    "cc/kernels/xla_registration.cc",
+    "cc/batch_norm/batch_norm_cpu.cc",
+    "cc/batch_norm/batch_norm_ops.cc",
+    "cc/batch_norm/batch_norm_xla.cc",
+    "cc/conv/conv_cpu.cc",
+    "cc/conv/conv_geometry.cc",
+    "cc/conv/conv_ops.cc",
+    "cc/conv/conv_xla.cc",
+    "cc/conv/micro_batch_plan.cc",
+    "cc/profile/profile_ops.cc",
+    "cc/xla/xla_registration.cc",
 ]
 
 # Built where CUDA and cuDNN are found: the cuDNN kernels and the XLA custom call.
 GPU_SOURCES = [
-    "cc/kernels/batch_norm_gpu.cc",
-    "cc/kernels/conv_custom_call_gpu.cc",
-    "cc/kernels/conv_gpu.cc",
-    "cc/kernels/cudnn_support.cc",
-    "cc/kernels/profile_gpu.cc",
+    "cc/batch_norm/batch_norm_gpu.cc",
+    "cc/conv/conv_custom_call_gpu.cc",
+    "cc/conv/conv_gpu.cc",
+    "cc/cudnn/convolution.cc",
+    "cc/cudnn/convolution_algorithm.cc",
+    "cc/cudnn/convolution_profile.cc",
+    "cc/cudnn/cudnn_support.cc",
+    "cc/cudnn/environment.cc",
+    "cc/cudnn/layout.cc",
+    "cc/cudnn/types.cc",
+    "cc/profile/profile_gpu.cc",
 ]
 
 # Compiled by nvcc.
 CUDA_SOURCES = [
-    "cc/kernels/strided_copy.cu.cc",
+    "cc/cudnn/strided_copy.cu.cc",
 ]

@@ -1,0 +1,161 @@
+// Plans parsed and checked without cuDNN's headers, so that a bad plan is rejected on any device
+// when its op is built.
+#include "cc/conv/micro_batch_plan.h"
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace tf_ucudnn {
+namespace {
+
+const char* const kMathNames[] = {"default", "tensor_op", "tensor_op_allow_conversion", "fma"};
+
+const char* AlgorithmEnumName(ConvKernel kernel) {
+  switch (kernel) {
+    case ConvKernel::kForward:
+      return "cudnnConvolutionFwdAlgo_t";
+    case ConvKernel::kBackpropInput:
+      return "cudnnConvolutionBwdDataAlgo_t";
+    case ConvKernel::kBackpropFilter:
+      return "cudnnConvolutionBwdFilterAlgo_t";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int AlgorithmCount(ConvKernel kernel) {
+  switch (kernel) {
+    case ConvKernel::kForward:
+      return 8;
+    case ConvKernel::kBackpropInput:
+      return 6;
+    case ConvKernel::kBackpropFilter:
+      return 7;
+  }
+  return 0;
+}
+
+absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
+                                  AlgorithmSpec* spec) {
+  *spec = AlgorithmSpec();
+  const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
+  if (trimmed == "auto") return absl::OkStatus();
+  const auto syntax_error = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot parse algorithm '", text, "': ", why,
+                                                   " (expected 'auto' or 'algo=N[,math=NAME]')"));
+  };
+  std::map<std::string, std::string> fields;
+  for (absl::string_view item : absl::StrSplit(trimmed, ',')) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    const std::string key(absl::StripAsciiWhitespace(kv.first));
+    if (item.find('=') == absl::string_view::npos) return syntax_error("missing '='");
+    if (!fields.emplace(key, std::string(absl::StripAsciiWhitespace(kv.second))).second) {
+      return syntax_error(absl::StrCat("'", key, "' given twice"));
+    }
+  }
+  for (const auto& [key, value] : fields) {
+    if (key != "algo" && key != "math") return syntax_error(absl::StrCat("unknown key '", key, "'"));
+  }
+  auto algo = fields.find("algo");
+  if (algo == fields.end()) return syntax_error("no 'algo'");
+  int number;
+  if (!absl::SimpleAtoi(algo->second, &number)) return syntax_error("algo is not an integer");
+  if (number < 0 || number >= AlgorithmCount(kernel)) {
+    return absl::InvalidArgumentError(absl::StrCat("algorithm ", number, " is not a ",
+                                                   AlgorithmEnumName(kernel), " (0..",
+                                                   AlgorithmCount(kernel) - 1, ")"));
+  }
+  spec->automatic = false;
+  spec->algo = number;
+  auto math = fields.find("math");
+  if (math != fields.end()) {
+    bool known = false;
+    for (int m = 0; m < 4; ++m) {
+      if (math->second == kMathNames[m]) {
+        spec->math = static_cast<MathMode>(m);
+        known = true;
+      }
+    }
+    if (!known) return syntax_error(absl::StrCat("unknown math mode '", math->second, "'"));
+  }
+  return absl::OkStatus();
+}
+
+std::string AlgorithmSpec::ToString() const {
+  if (automatic) return "auto";
+  std::string text = absl::StrCat("algo=", algo);
+  if (math != MathMode::kFromTensorFlow) {
+    absl::StrAppend(&text, ",math=", kMathNames[static_cast<int>(math)]);
+  }
+  return text;
+}
+
+absl::Status MicroBatchPlan::FromAttrs(ConvKernel kernel, const std::vector<int64_t>& sizes,
+                                       const std::vector<std::string>& algorithms,
+                                       MicroBatchPlan* plan) {
+  *plan = MicroBatchPlan();
+  if (sizes.size() != algorithms.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan has ", sizes.size(), " micro-batch sizes but ", algorithms.size(), " algorithms"));
+  }
+  // Built aside so a rejected plan leaves `plan` empty rather than half filled.
+  std::vector<AlgorithmSpec> specs;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("micro-batch ", i, " has size ", sizes[i], "; sizes must be positive"));
+    }
+    AlgorithmSpec spec;
+    absl::Status status = AlgorithmSpec::Parse(algorithms[i], kernel, &spec);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("micro-batch ", i, ": ", status.message()));
+    }
+    specs.push_back(spec);
+  }
+  plan->sizes_ = sizes;
+  plan->algorithms_ = std::move(specs);
+  return absl::OkStatus();
+}
+
+int64_t MicroBatchPlan::total() const {
+  int64_t total = 0;
+  for (int64_t size : sizes_) total += size;
+  return total;
+}
+
+absl::Status MicroBatchPlan::Resolve(int64_t batch, std::vector<MicroBatch>* micro_batches) const {
+  micro_batches->clear();
+  if (sizes_.empty()) {
+    if (batch > 0) micro_batches->push_back({0, batch, AlgorithmSpec()});
+    return absl::OkStatus();
+  }
+  if (total() != batch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the micro-batch sizes sum to ", total(), " but the batch has ", batch, " samples"));
+  }
+  int64_t offset = 0;
+  for (size_t i = 0; i < sizes_.size(); ++i) {
+    micro_batches->push_back({offset, sizes_[i], algorithms_[i]});
+    offset += sizes_[i];
+  }
+  return absl::OkStatus();
+}
+
+std::string MicroBatchPlan::DebugString() const {
+  if (sizes_.empty()) return "[] (undivided, algorithm chosen at run time)";
+  std::vector<std::string> items;
+  for (size_t i = 0; i < sizes_.size(); ++i) {
+    items.push_back(absl::StrCat(sizes_[i], "@", algorithms_[i].ToString()));
+  }
+  return absl::StrCat("[", absl::StrJoin(items, ", "), "]");
+}
+
+}  // namespace tf_ucudnn

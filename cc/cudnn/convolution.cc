@@ -1,0 +1,262 @@
+// CudnnConvolution's setup, device memory, layout copies and execution of a plan, and
+// RunConvolution; which algorithm runs and how all of them are timed live beside it
+// (convolution_algorithm.cc, convolution_profile.cc).
+#include "cc/cudnn/convolution.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cc/cudnn/environment.h"
+#include "cc/cudnn/types.h"
+#include "tensorflow/core/platform/errors.h"
+#include "tensorflow/core/platform/logging.h"
+
+namespace tf_ucudnn {
+namespace {
+
+// cuDNN reads alpha and beta in the compute type: doubles for double data, floats for the rest.
+const void* ScaleFactor(cudnnDataType_t type, int value) {
+  static constexpr float kFloat[] = {0, 1};
+  static constexpr double kDouble[] = {0, 1};
+  if (ComputeType(type) == CUDNN_DATA_DOUBLE) return &kDouble[value];
+  return &kFloat[value];
+}
+
+}  // namespace
+
+CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
+                                   const ConvGeometry& g, cudnnDataType_t type,
+                                   ConvBuffers<void> buffers)
+    : resources_(resources),
+      kernel_(kernel),
+      g_(g),
+      type_(type),
+      layout_(g, type),
+      buffers_(buffers) {}
+
+absl::Status CudnnConvolution::Prepare(const std::vector<MicroBatch>& micro_batches,
+                                       std::vector<ResolvedCall>* calls, size_t* scratch_bytes) {
+  micro_batches_ = micro_batches;
+  size_t workspace_bytes = 0;
+  TF_RETURN_IF_ERROR(ResolveAll(calls, &workspace_bytes));
+  *scratch_bytes = PackedBytes(BufferSizes(workspace_bytes));
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::Run(const std::vector<MicroBatch>& micro_batches) {
+  micro_batches_ = micro_batches;
+  if (micro_batches_.empty()) return ZeroResultOfEmptyBatch();
+  std::vector<ResolvedCall> calls;
+  size_t workspace_bytes = 0;
+  TF_RETURN_IF_ERROR(ResolveAll(&calls, &workspace_bytes));
+  TF_RETURN_IF_ERROR(AllocateBuffers(workspace_bytes));
+  if (kernel_ != ConvKernel::kBackpropFilter) {
+    TF_RETURN_IF_ERROR(Copy(layout_.FilterToCudnn(), buffers_.filter, cudnn_filter_));
+  }
+  for (size_t i = 0; i < micro_batches_.size(); ++i) {
+    TF_RETURN_IF_ERROR(Execute(i, calls[i]));
+  }
+  if (kernel_ == ConvKernel::kBackpropFilter) {
+    TF_RETURN_IF_ERROR(Copy(layout_.FilterFromCudnn(), cudnn_filter_, buffers_.filter));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::Begin() {
+  stream_ = resources_->stream();
+  if (buffers_.filter != nullptr) {
+    TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.filter, &device_));
+  } else {
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device_), "cudaGetDevice");
+  }
+  TF_RETURN_IF_ERROR(scoped_device_.Enter(device_));
+  TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
+  TF_RETURN_IF_ERROR(filter_desc_.Init(type_, layout_.channels_last(), layout_.FilterDims()));
+  return conv_desc_.Init(layout_.symmetric_padding(), g_.strides, g_.dilations,
+                         ComputeType(type_), TensorFlowMath(type_));
+}
+
+absl::Status CudnnConvolution::Descriptors(int64_t size, SizeDescriptors** out) {
+  std::unique_ptr<SizeDescriptors>& slot = descriptors_[size];
+  if (slot == nullptr) {
+    auto created = std::make_unique<SizeDescriptors>();
+    TF_RETURN_IF_ERROR(
+        created->input.Init(type_, layout_.channels_last(), layout_.InputDims(size)));
+    TF_RETURN_IF_ERROR(
+        created->output.Init(type_, layout_.channels_last(), layout_.OutputDims(size)));
+    slot = std::move(created);
+  }
+  *out = slot.get();
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::ResolveAll(std::vector<ResolvedCall>* calls,
+                                          size_t* workspace_bytes) {
+  TF_RETURN_IF_ERROR(Begin());
+  calls->clear();
+  *workspace_bytes = 0;
+  for (size_t i = 0; i < micro_batches_.size(); ++i) {
+    ResolvedCall call;
+    TF_RETURN_IF_ERROR(CachedResolve(i, &call));
+    *workspace_bytes = std::max(*workspace_bytes, call.workspace);
+    calls->push_back(call);
+  }
+  return absl::OkStatus();
+}
+
+// A mini-batch of zero samples still has a (zero) filter gradient.
+absl::Status CudnnConvolution::ZeroResultOfEmptyBatch() {
+  if (kernel_ != ConvKernel::kBackpropFilter || g_.FilterSize() == 0) return absl::OkStatus();
+  TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(buffers_.filter, 0, g_.FilterSize() * ElementSize(type_),
+                      resources_->stream()),
+      "cudaMemsetAsync");
+  return absl::OkStatus();
+}
+
+// Bytes of the workspace, cuDNN's copy of the filter, the padded (or transposed) input and the
+// transposed output, in the order AllocateBuffers takes them.
+std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const {
+  int64_t largest = 0;
+  for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
+  const size_t element = ElementSize(type_);
+  return {workspace_bytes, g_.FilterSize() * element,
+          layout_.needs_input_copy() ? largest * layout_.PaddedInputSampleSize() * element : 0,
+          layout_.transposed() ? largest * g_.OutputSampleSize() * element : 0};
+}
+
+absl::Status CudnnConvolution::AllocateBuffers(size_t workspace_bytes) {
+  const std::vector<size_t> sizes = BufferSizes(workspace_bytes);
+  void** buffers[] = {&workspace_, &cudnn_filter_, &cudnn_input_, &cudnn_output_};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    *buffers[i] = nullptr;
+    if (sizes[i] > 0) TF_RETURN_IF_ERROR(resources_->Allocate(sizes[i], buffers[i]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::AllocateElements(int64_t elements, void** memory) {
+  return resources_->Allocate(elements * ElementSize(type_), memory);
+}
+
+void* CudnnConvolution::Element(void* base, int64_t index) const {
+  return static_cast<char*>(base) + index * static_cast<int64_t>(ElementSize(type_));
+}
+
+absl::Status CudnnConvolution::Copy(const StridedCopy& copy, const void* src, void* dst) {
+  TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+      LaunchStridedCopy(copy, src, dst, static_cast<int>(ElementSize(type_)), stream_),
+      "layout copy kernel");
+  return absl::OkStatus();
+}
+
+// The input and output cuDNN works on for `size` samples at `input` and `output`: those tensors,
+// or cuDNN's padded or transposed copies of them, filled where the kernel reads them.
+absl::Status CudnnConvolution::CudnnOperands(void* input, void* output, int64_t size,
+                                             void** cudnn_input, void** cudnn_output) {
+  *cudnn_input = layout_.needs_input_copy() ? cudnn_input_ : input;
+  if (layout_.needs_input_copy() && kernel_ != ConvKernel::kBackpropInput) {
+    TF_RETURN_IF_ERROR(Copy(layout_.InputCopy(size, /*to_cudnn=*/true), input, *cudnn_input));
+  }
+  *cudnn_output = layout_.transposed() ? cudnn_output_ : output;
+  if (layout_.transposed() && kernel_ != ConvKernel::kForward) {
+    TF_RETURN_IF_ERROR(Copy(layout_.OutputCopy(size, /*to_cudnn=*/true), output, *cudnn_output));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::Execute(size_t index, const ResolvedCall& call) {
+  const MicroBatch& mb = micro_batches_[index];
+  SizeDescriptors* d;
+  TF_RETURN_IF_ERROR(Descriptors(mb.size, &d));
+  TF_RETURN_IF_ERROR(conv_desc_.SetMath(call.math));
+  void* input = Element(buffers_.input, mb.offset * g_.InputSampleSize());
+  void* output = Element(buffers_.output, mb.offset * g_.OutputSampleSize());
+  void* cudnn_input;
+  void* cudnn_output;
+  TF_RETURN_IF_ERROR(CudnnOperands(input, output, mb.size, &cudnn_input, &cudnn_output));
+  void* workspace = call.workspace > 0 ? workspace_ : nullptr;
+  const void* one = ScaleFactor(type_, 1);
+  // Filter gradients of all micro-batches add up in place.
+  const void* beta =
+      kernel_ == ConvKernel::kBackpropFilter && index > 0 ? one : ScaleFactor(type_, 0);
+  cudnnHandle_t h = handle_.get();
+  cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
+  switch (kernel_) {
+    case ConvKernel::kForward:
+      status = cudnnConvolutionForward(
+          h, one, d->input.get(), cudnn_input, filter_desc_.get(), cudnn_filter_,
+          conv_desc_.get(), static_cast<cudnnConvolutionFwdAlgo_t>(call.algo), workspace,
+          call.workspace, beta, d->output.get(), cudnn_output);
+      break;
+    case ConvKernel::kBackpropInput:
+      status = cudnnConvolutionBackwardData(
+          h, one, filter_desc_.get(), cudnn_filter_, d->output.get(), cudnn_output,
+          conv_desc_.get(), static_cast<cudnnConvolutionBwdDataAlgo_t>(call.algo), workspace,
+          call.workspace, beta, d->input.get(), cudnn_input);
+      break;
+    case ConvKernel::kBackpropFilter:
+      status = cudnnConvolutionBackwardFilter(
+          h, one, d->input.get(), cudnn_input, d->output.get(), cudnn_output, conv_desc_.get(),
+          static_cast<cudnnConvolutionBwdFilterAlgo_t>(call.algo), workspace, call.workspace,
+          beta, filter_desc_.get(), cudnn_filter_);
+      break;
+  }
+  if (LogCalls()) {
+    LOG(INFO) << resources_->label() << " " << KernelName(kernel_) << " cuDNN call " << index + 1
+              << "/" << micro_batches_.size() << ": " << mb.size << " samples at " << mb.offset
+              << ", algo=" << call.algo << ",math=" << MathName(call.math) << ", workspace "
+              << call.workspace << " bytes: " << cudnnGetErrorString(status);
+  }
+  if (status != CUDNN_STATUS_SUCCESS) {
+    return FromCudnn(status, absl::StrCat(Where(index), ": cuDNN ", KernelName(kernel_),
+                                          " with algorithm ", AlgorithmText(call.algo), " and ",
+                                          MathName(call.math), " math failed for ",
+                                          g_.DebugString()));
+  }
+  if (layout_.needs_input_copy() && kernel_ == ConvKernel::kBackpropInput) {
+    TF_RETURN_IF_ERROR(Copy(layout_.InputCopy(mb.size, /*to_cudnn=*/false), cudnn_input, input));
+  }
+  if (layout_.transposed() && kernel_ == ConvKernel::kForward) {
+    TF_RETURN_IF_ERROR(
+        Copy(layout_.OutputCopy(mb.size, /*to_cudnn=*/false), cudnn_output, output));
+  }
+  return absl::OkStatus();
+}
+
+std::string CudnnConvolution::Where(size_t index) const {
+  const MicroBatch& mb = micro_batches_[index];
+  return absl::StrCat("micro-batch ", index, " (samples ", mb.offset, "..",
+                      mb.offset + mb.size - 1, ")");
+}
+
+std::string CudnnConvolution::AlgorithmText(int algo) const {
+  return absl::StrCat(algo, " (", AlgorithmName(kernel_, algo), ")");
+}
+
+absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
+                            const ConvGeometry& geometry,
+                            const std::vector<MicroBatch>& micro_batches, cudnnDataType_t type,
+                            ConvBuffers<void> buffers) {
+  // Zero-sized dims leave nothing for cuDNN to compute; the result is zeros (or empty).
+  if (geometry.FilterSize() == 0 || geometry.InputSampleSize() == 0 ||
+      geometry.OutputSampleSize() == 0) {
+    const int64_t elements =
+        kernel == ConvKernel::kForward
+            ? geometry.batch * geometry.OutputSampleSize()
+            : kernel == ConvKernel::kBackpropInput ? geometry.batch * geometry.InputSampleSize()
+                                                   : geometry.FilterSize();
+    void* result = kernel == ConvKernel::kForward         ? buffers.output
+                   : kernel == ConvKernel::kBackpropInput ? buffers.input
+                                                          : buffers.filter;
+    if (elements == 0) return absl::OkStatus();
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(result, 0, elements * ElementSize(type), resources->stream()),
+        "cudaMemsetAsync");
+    return absl::OkStatus();
+  }
+  return CudnnConvolution(resources, kernel, geometry, type, buffers).Run(micro_batches);
+}
+
+}  // namespace tf_ucudnn

@@ -1,0 +1,102 @@
+// CudnnConvolution::Profile: cudnnFind*AlgorithmEx runs and times every algorithm on the op's own
+// tensors, through the same descriptors, layout copies and math as Run, for the profiler's table.
+#include "cc/cudnn/convolution.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cc/cudnn/types.h"
+#include "tensorflow/core/platform/errors.h"
+
+namespace tf_ucudnn {
+absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t workspace_limit,
+                                       std::vector<AlgorithmMeasurement>* measurements) {
+  micro_batches_.clear();
+  for (int64_t size : sizes) {
+    if (size < 1 || size > g_.batch) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot profile a micro-batch of ", size, " samples of a batch of ", g_.batch));
+    }
+    micro_batches_.push_back({0, size, AlgorithmSpec()});
+  }
+  if (micro_batches_.empty()) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(Begin());
+  TF_RETURN_IF_ERROR(AllocateBuffers(workspace_limit));
+  int64_t largest = 0;
+  for (int64_t size : sizes) largest = std::max(largest, size);
+  // Results go to scratch; operands are copied where cuDNN needs another layout or padding.
+  if (kernel_ == ConvKernel::kForward && !layout_.transposed()) {
+    TF_RETURN_IF_ERROR(AllocateElements(largest * g_.OutputSampleSize(), &buffers_.output));
+  } else if (kernel_ == ConvKernel::kBackpropInput && !layout_.needs_input_copy()) {
+    TF_RETURN_IF_ERROR(AllocateElements(largest * g_.InputSampleSize(), &buffers_.input));
+  }
+  if (kernel_ != ConvKernel::kBackpropFilter) {
+    TF_RETURN_IF_ERROR(Copy(layout_.FilterToCudnn(), buffers_.filter, cudnn_filter_));
+  }
+  void* cudnn_input;
+  void* cudnn_output;
+  TF_RETURN_IF_ERROR(
+      CudnnOperands(buffers_.input, buffers_.output, largest, &cudnn_input, &cudnn_output));
+  TF_RETURN_IF_ERROR(conv_desc_.SetMath(TensorFlowMath(type_)));
+  void* workspace = workspace_limit > 0 ? workspace_ : nullptr;
+  for (int64_t size : sizes) {
+    SizeDescriptors* d;
+    TF_RETURN_IF_ERROR(Descriptors(size, &d));
+    TF_RETURN_IF_ERROR(
+        Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::Find(const SizeDescriptors& d, void* cudnn_input,
+                                    void* cudnn_output, void* workspace, size_t workspace_bytes,
+                                    int64_t size,
+                                    std::vector<AlgorithmMeasurement>* measurements) {
+  constexpr int kMaxResults = 32;
+  int returned = 0;
+  cudnnHandle_t h = handle_.get();
+  const std::string what = absl::StrCat("cudnnFind ", KernelName(kernel_), " at ", size,
+                                        " samples for ", g_.DebugString());
+  // Keeps what a cudnnFind*AlgorithmEx call, made as the argument, timed.
+  auto record = [&](cudnnStatus_t status, const auto* perf) -> absl::Status {
+    TF_UCUDNN_RETURN_IF_CUDNN_ERROR(status, what);
+    for (int i = 0; i < returned; ++i) {
+      if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+      measurements->push_back({size, static_cast<int>(perf[i].algo), perf[i].mathType,
+                               perf[i].time, perf[i].memory,
+                               perf[i].determinism == CUDNN_DETERMINISTIC});
+    }
+    return absl::OkStatus();
+  };
+  switch (kernel_) {
+    case ConvKernel::kForward: {
+      cudnnConvolutionFwdAlgoPerf_t perf[kMaxResults];
+      return record(cudnnFindConvolutionForwardAlgorithmEx(
+                        h, d.input.get(), cudnn_input, filter_desc_.get(), cudnn_filter_,
+                        conv_desc_.get(), d.output.get(), cudnn_output, kMaxResults, &returned,
+                        perf, workspace, workspace_bytes),
+                    perf);
+    }
+    case ConvKernel::kBackpropInput: {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxResults];
+      return record(cudnnFindConvolutionBackwardDataAlgorithmEx(
+                        h, filter_desc_.get(), cudnn_filter_, d.output.get(), cudnn_output,
+                        conv_desc_.get(), d.input.get(), cudnn_input, kMaxResults, &returned,
+                        perf, workspace, workspace_bytes),
+                    perf);
+    }
+    case ConvKernel::kBackpropFilter: {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxResults];
+      return record(cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                        h, d.input.get(), cudnn_input, d.output.get(), cudnn_output,
+                        conv_desc_.get(), filter_desc_.get(), cudnn_filter_, kMaxResults,
+                        &returned, perf, workspace, workspace_bytes),
+                    perf);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tf_ucudnn
