@@ -139,3 +139,26 @@ def test_unknown_shapes_and_bad_targets():
     assert "not fully known" in report.left_alone[0].reason
     with pytest.raises(TypeError, match="get_concrete_function"):
         rewrite_convolutions(forward, _split_plan)
+
+
+def test_depthwise_convolutions_and_their_gradients_are_reported_left_alone():
+    layers = tf.keras.layers
+    model = tf.keras.Sequential([
+        tf.keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same"),
+        layers.DepthwiseConv2D(3, padding="same"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+    _, report = rewrite_convolutions(gradient_step(model, 4), _split_plan)
+    assert len(report.layers) == 1
+    reasons = sorted(item.reason for item in report.left_alone)
+    assert reasons == ["a depthwise convolution's gradient: tf_ucudnn has no depthwise op"] * 2 \
+        + ["a depthwise convolution: tf_ucudnn has no depthwise op"]
+
+
+def test_a_planner_that_answers_nothing_is_an_error_naming_the_layer():
+    from tf_ucudnn.core.plan import PlannerAnswerError
+
+    with pytest.raises(PlannerAnswerError, match="conv2d.*the planner returned None"):
+        rewrite_convolutions(gradient_step(_vgg_style(), 4), lambda layer: None)

@@ -7,9 +7,9 @@ linear program picks one (time, workspace) Pareto configuration per kernel so th
 together fit the budget (the shared-workspace mode), and each layer then gets its share.
 
 A layer whose three kernels run best undivided still gets tf_ucudnn's op by default, with the
-measured best algorithm: TensorFlow's own choice under the same limit can be far slower (on an H100
-in NHWC float32 at 64 MiB, Keras VGG16 trains at 277 img/s with TensorFlow's choices, while the
-implicit-GEMM algorithm it passes over needs under 20 MiB). `leave_undivided_to_tensorflow` keeps
+measured best algorithm: TensorFlow's own choice under the same limit can be far slower (it can
+pass over a fast algorithm, such as implicit GEMM for VGG16's layers, whose workspace is well
+within the limit). `leave_undivided_to_tensorflow` keeps
 TensorFlow's op for such layers instead, reported as "no gain".
 """
 

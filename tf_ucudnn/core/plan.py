@@ -20,6 +20,7 @@ import re
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.errors import TfUcudnnError
 
 
 def even_sizes(total: int, parts: int) -> list[int]:
@@ -210,3 +211,17 @@ def _text(value) -> str:
 
 # Gives a layer its plan, or a string saying why the layer is left alone.
 LayerPlanner = Callable[[ConvLayer], Union[LayerPlan, str]]
+
+
+class PlannerAnswerError(TfUcudnnError, TypeError):
+    """A planner answered a layer with neither a LayerPlan nor a reason."""
+
+
+def plan_or_reason(planner: LayerPlanner, layer: ConvLayer) -> Union[LayerPlan, str]:
+    """`planner`'s answer for `layer`: a LayerPlan, or a string saying why it is left alone."""
+    answer = planner(layer)
+    if not isinstance(answer, (LayerPlan, str)):
+        raise PlannerAnswerError(
+            f"{layer.name}: the planner returned {answer!r}; a planner returns a LayerPlan, or a "
+            "string saying why the layer is left alone")
+    return answer

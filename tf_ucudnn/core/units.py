@@ -23,3 +23,10 @@ def parse_bytes(value: Union[int, str]) -> int:
         raise ValueError(f"cannot read {value!r} as a size: write e.g. 64MiB, 1GiB or 512MB")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
+
+def format_bytes(size: int) -> str:
+    """A size for people: 512 B, 1 KiB, 64 MiB, 15.9 GiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.4g} {unit}"
+    return f"{size} B"

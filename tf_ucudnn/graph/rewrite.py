@@ -24,6 +24,7 @@ from tf_ucudnn.core.plan import (
     WORKSPACE_ATTR,
     KernelPlan,
     LayerPlanner,
+    plan_or_reason,
 )
 from tf_ucudnn.graph.conv_layers import conv_layer_of, find_conv_layers
 from tf_ucudnn.graph.functions import (
@@ -43,6 +44,16 @@ REPLACEMENTS = {
     "Conv3DBackpropInputV2": ("UcudnnConv3DBackpropInput", BACKPROP_INPUT),
     "Conv2DBackpropFilter": ("UcudnnConv2DBackpropFilter", BACKPROP_FILTER),
     "Conv3DBackpropFilterV2": ("UcudnnConv3DBackpropFilter", BACKPROP_FILTER),
+}
+# Convolution-like ops tf_ucudnn has no op for, reported as left alone with why.
+UNSUPPORTED = {
+    "DepthwiseConv2dNative": "a depthwise convolution: tf_ucudnn has no depthwise op",
+    "DepthwiseConv2dNativeBackpropInput": "a depthwise convolution's gradient: tf_ucudnn has no "
+                                          "depthwise op",
+    "DepthwiseConv2dNativeBackpropFilter": "a depthwise convolution's gradient: tf_ucudnn has no "
+                                           "depthwise op",
+    "Conv3DBackpropInput": "the deprecated 3-D gradient op (V1): tf_ucudnn replaces V2 only",
+    "Conv3DBackpropFilter": "the deprecated 3-D gradient op (V1): tf_ucudnn replaces V2 only",
 }
 _SAME_ATTRS = ("strides", "padding", "data_format", "dilations", "explicit_paddings")
 
@@ -124,7 +135,7 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
         except UnsupportedConvolution as error:
             report.left_alone.extend(leave_layer_alone(ops, forward, claimed, scope, str(error)))
             continue
-        plan = planner(layer)
+        plan = plan_or_reason(planner, layer)
         if isinstance(plan, str):
             report.left_alone.extend(leave_layer_alone(ops, forward, claimed, scope, plan))
             continue
@@ -138,6 +149,9 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
                 _replace(by_name[nodes[kernel]], plan.kernel(kernel), layer.batch_size)
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
+    report.left_alone.extend(LeftAlone(op.name, scope, UNSUPPORTED[op.type])
+                             for op in graph.get_operations()
+                             if op.type in UNSUPPORTED and op.name in by_name)
 
 
 def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,

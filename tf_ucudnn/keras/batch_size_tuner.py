@@ -193,7 +193,7 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
     `stream_conv_batch_norm` as it takes it. Without `whole_batches`, only the cuts are tried:
     the first layers' largest tensors are then never whole on the device, where a plan in whole
     batches may fit its budget and still leave the allocator no free chunk large enough for
-    them (ResNet-50 at batch 768 on a GPU capped at 16 GiB)."""
+    them (as a ResNet's stem tensors at large batches)."""
     def traced(layer: Optional[str], count: int):
         return (trace(layer, count) if trace is not None else
                 keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,

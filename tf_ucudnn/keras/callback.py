@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
-from tf_ucudnn.core.plan import LayerPlan, LayerPlanner
+from tf_ucudnn.core.plan import LayerPlan, LayerPlanner, plan_or_reason
 from tf_ucudnn.core.units import MIB
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.batch_size_tuner import KerasStepPlan, plan_keras_step
@@ -92,8 +92,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if not given).
       fuse_batch_norm: train the BatchNormalization layers as fused kernels, True or "cudnn"
         (TensorFlow's FusedBatchNormV3), "xla" or "ucudnn" (`tf_ucudnn.keras.batch_norm_forms`): the
-        same results, one kernel each way, and on the GPU a faster step (ResNet-50 on an H100 with
-        cuDNN's: 1604.8 img/s against 818.1). The layers it cannot fuse are listed in
+        same results, one kernel each way, and on the GPU a faster step (Keras's normalization
+        runs as several elementwise ops each way). The layers it cannot fuse are listed in
         `unfused_batch_norm` with the reason.
       stream_conv_batch_norm: a count of micro-batches, 0 for none: each convolution and the
         batch normalization reading it train as one op whose backward runs in that many
@@ -187,6 +187,13 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._retrace()
         if self.options.memory_budget is not None:
             self.model.train_function = self._planning_train_function
+            return
+        # A first step that fails (out of memory, say) gives the model its own layers back too.
+        self._guard_train_function()
+        if not self._patched:  # nothing to plan: the report says why for each layer
+            self.report = RewriteReport(left_alone=list(left_alone))
+            if self.verbose:
+                print(self.summary(), flush=True)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._trial is not None:
@@ -254,7 +261,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     continue
                 patched.conv_layer = keras_conv_layer(
                     patched.layer, shape, patched.layer.compute_dtype)
-                plan = planner(patched.conv_layer)
+                plan = plan_or_reason(planner, patched.conv_layer)
                 if isinstance(plan, str):
                     report.left_alone.append(LeftAlone(patched.layer.path, "", plan))
                     continue

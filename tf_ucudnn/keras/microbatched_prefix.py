@@ -1,9 +1,9 @@
 """A model's first layers run in micro-batches and made again for the backward pass.
 
-The first layers of a VGG-style network hold the largest activations: at four times the batch
-that fits a 16 GiB GPU, one of VGG16's first feature maps alone is 12 GB, and a convolution's
-backward pass needs three of them at once, more than any swap or recomputation of whole tensors
-can bring under the budget. Cut the model after those layers (the prefix), and run the prefix
+The first layers of a VGG-style network hold the largest activations: at large batches one of
+its first feature maps can alone come near the device's memory, and a convolution's backward
+pass needs three of them at once, more than any swap or recomputation of whole tensors can
+bring under the budget. Cut the model after those layers (the prefix), and run the prefix
 on one micro-batch at a time, keeping only its output; the backward pass makes each micro-batch's
 activations again and backpropagates through them, summing the weights' gradients (ooc_cuDNN's
 division along the batch, with SuperNeurons' recomputation). The device then holds one
@@ -19,10 +19,9 @@ whole batch's statistics. Its backward pass goes over the micro-batches twice: o
 whole batch's sums of the normalization's output gradient, dy and dy * x_hat (the offset's and
 scale's gradients), then for the input gradient dz = scale * inv_std * (dy - sum(dy) / n -
 x_hat * sum(dy * x_hat) / n) and the gradients of the layers before it. So the layers before the
-normalization run four times and those after it three; on ResNet-50 at batch 768 on a GPU capped
-at 16 GiB, the stem's full-batch tensors (2.3 to 2.4 GiB each) are what the BFC allocator could
-not place once its free space was split (benchmarks/results/
-beyond_memory_h200_resnet50_768_allocator.json).
+normalization run four times and those after it three. In return, a stem's full-batch tensors
+never exist on the device: at large batches they are what the BFC allocator fails to place once
+its free space is split into smaller chunks, though a memory plan fits the budget.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 micro-batches.
 
 Why: trained as two layers, a batch normalization's gradient dz (the size of the convolution's
-output) is made whole and held until the convolution's backward has read it. In ResNet-50's first
-stage at batch 768, conv2_block1_3_bn's gradient holds its input z, the output's gradient dy and
-dz (768x56x56x256 float32, 2.47 GB each) while the shortcut's dz (2.47 GB more) waits for its
-convolution: the floor of every memory plan, at 12.5 GiB.
+output) is made whole and held until the convolution's backward has read it. Where a block's last
+convolution widens the channels (as in ResNet-50's first stage), its batch normalization's
+gradient holds its input z, the output's gradient dy and dz, all of the widened size, while the
+projection shortcut's dz waits for its convolution: four such tensors at once, which at large
+batches set the floor of every memory plan.
 
 Here the backward first sums dy and dy * x_hat over the whole batch (per channel, one XLA
 computation, so no full-size temporary), then, one micro-batch after another (control edges
@@ -27,13 +28,11 @@ convolution reads its input (the block's) at the start of the block's backward, 
 `streamed_conv_batch_norm(model, micro_batches)` switches a Keras model's convolution and batch
 normalization pairs while a training step is traced, and says which layers it left unpaired, and
 why. Only convolutions that widen the channels are paired (ResNet-50's stem, its blocks' last
-convolutions and their projection shortcuts): planned on the CPU for ResNet-50 at batch 768 under
-12 GiB, streaming every pair in 4 micro-batches lowered the lowest peak a plan reached only from
-12543 to 12505 MiB, the narrowing pairs' slices and concatenations adding to what the widening
-ones save; streaming the widening ones alone in 8 fits 12 GiB (12843 MB predicted) and leaves
-11.2 GiB 95 MiB over. It composes with `tf_ucudnn.keras.batch_norm_forms.fused_batch_norm`: open
-inside it, the batch normalizations not paired keep the fused kernel it chose (Keras's ops
-without it).
+convolutions and their projection shortcuts): streaming every pair barely lowers the lowest peak
+a plan reaches, the narrowing pairs' slices and concatenations costing about what the widening
+ones save; streaming the widening ones alone lowers it further. It composes with
+`tf_ucudnn.keras.batch_norm_forms.fused_batch_norm`: open inside it, the batch normalizations
+not paired keep the fused kernel it chose (Keras's ops without it).
 """
 
 from __future__ import annotations

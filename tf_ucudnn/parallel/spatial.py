@@ -27,6 +27,7 @@ import tensorflow as tf
 from tf_ucudnn.core.conv_layer import ConvLayer, same_padding
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import even_sizes as _even_sizes
+from tf_ucudnn.core.plan import plan_or_reason
 from tf_ucudnn.kernels import ops
 
 SPLIT_AXIS = 1  # the first spatial dimension, channels-last
@@ -253,7 +254,7 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
         attrs = dict(strides=[1, *strides, 1], dilations=[1, *dilations, 1])
         plan = None
         if planner is not None:
-            plan = planner(ConvLayer(
+            plan = plan_or_reason(planner, ConvLayer(
                 name=name, op_type=f"Conv{spatial}D", input_shape=tuple(rows.shape),
                 filter_shape=tuple(filters.shape), strides=tuple(attrs["strides"]),
                 dilations=tuple(attrs["dilations"]), padding="EXPLICIT",

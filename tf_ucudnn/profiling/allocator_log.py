@@ -2,8 +2,8 @@
 how the allocator's memory was split at that moment.
 
 A step can run out of memory two ways: it needs more than the cap, or the cap's free memory is
-split into chunks smaller than the request (fragmentation: ResNet-50 at batch 768 on an H200
-capped at 16 GiB asked for 2.38 GiB with 6.84 GiB free in four chunks of at most 2.21 GiB).
+split into chunks smaller than the request (fragmentation: more than the request is free in all,
+but no one chunk holds it).
 A memory plan can answer the first; the second needs fewer large tensors. The dump is logged at
 TensorFlow's default log level (TF_CPP_MIN_LOG_LEVEL unset or 0).
 """

@@ -19,7 +19,7 @@ from tf_ucudnn.kernels.library import gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
 from tf_ucudnn.profiling.records import POWER_OF_TWO, ProfileRecord, micro_batch_sizes
 
-# What the shared H100 profiles were measured with; cudnnFind tries no more than this.
+# What the shared profiles were measured with; cudnnFind tries no more than this.
 DEFAULT_WORKSPACE_LIMIT = 4 << 30
 
 

@@ -140,8 +140,8 @@ class Converter:
         return tf.function(serve, autograph=False).get_concrete_function(**kwargs), report
 
     def save(self, output_saved_model_dir: str, overwrite: bool = False) -> None:
-        """Writes the converted SavedModel; load it with tf.saved_model.load after importing
-        tf_ucudnn (which registers the ops)."""
+        """Writes the converted SavedModel, whole or not at all; load it with
+        tf.saved_model.load after `tf_ucudnn.load_ops()`."""
         if not self.reports:
             raise ConversionError("convert() has not run, or failed: nothing to save")
         output_saved_model_dir = os.path.abspath(output_saved_model_dir)
@@ -149,8 +149,12 @@ class Converter:
                 not overwrite:
             raise ConversionError(f"{output_saved_model_dir} exists and is not empty")
         parent = os.path.dirname(output_saved_model_dir)
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".ucudnn-", dir=parent)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            staging = tempfile.mkdtemp(prefix=".ucudnn-", dir=parent)
+        except OSError as error:
+            raise ConversionError(f"cannot write {output_saved_model_dir}: "
+                                  f"{error.strerror or error}") from error
         try:
             root = tf.Module()
             root.original = self._loaded  # tracks the variables the signatures capture
@@ -158,8 +162,11 @@ class Converter:
             if os.path.exists(output_saved_model_dir):
                 shutil.rmtree(output_saved_model_dir)
             os.replace(staging, output_saved_model_dir)
-        except BaseException:
+        except BaseException as error:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(error, OSError):
+                raise ConversionError(f"cannot write {output_saved_model_dir}: "
+                                      f"{error.strerror or error}") from error
             raise
 
     def summary(self) -> str:

@@ -91,8 +91,8 @@ def kernel_scratch_bytes(op: tf.Operation) -> int:
     channels-last input through cuDNN in NCHW unless it is float16 with
     TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT set: training forward, it holds the input and
     output transposed (two activation-sized buffers); backward, the input, the output's gradient
-    and the input's gradient (three). Measured on the H100: ResNet-50's peak at batch 576 was
-    such a gradient, four 1.85 GB buffers for one normalization."""
+    and the input's gradient (three). Such a gradient, with its copies, can be a ResNet's peak:
+    four activation-sized buffers for one normalization."""
     if WORKSPACE_ATTR in op.node_def.attr:
         return op.get_attr(WORKSPACE_ATTR)
     if op.type in _CONVOLUTIONS:
@@ -118,9 +118,9 @@ def _tensorflow_convolution_copies(op: tf.Operation) -> int:
     time and give up when memory is short (not counted).
 
     The gradient of the input is computed into a buffer of its own and then handed on (or
-    transposed) to the output, both held meanwhile: one more input-sized buffer; measured on the
-    H100, ResNet-50's planned step at batch 576 ran out of memory on one of these, three 1.85 GB
-    buffers for a stride-2 convolution's gradient. Channels-last tensors are transposed to NCHW
+    transposed) to the output, both held meanwhile: one more input-sized buffer, enough to put a
+    planned step out of memory where a stride-2 convolution's gradient (three such buffers) is
+    the peak. Channels-last tensors are transposed to NCHW
     around the cuDNN call unless it computes channels-last: float16 and bfloat16, and float32 with
     TF32 allowed (TensorFlow's default), on the Ampere and later GPUs the steps are planned for.
     An uneven SAME padding pads a copy of the input (or of its gradient). A 1x1 convolution with

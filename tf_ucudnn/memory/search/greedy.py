@@ -36,9 +36,8 @@ class MemoryDecisions:
 
 
 # Where the greedy choice finds no plan, it starts again with every op time scaled by each of
-# these in turn: its path turns on near-ties of cost per byte freed. ResNet-50 at batch 768
-# (streamed pairs, XLA batch norm), planned under 12207.5 MiB with the step calibrated to
-# 327.6908 ms, fits at 12152 MiB; calibrated to 327.69 ms, it misses by 1414 MiB.
+# these in turn: its path turns on near-ties of cost per byte freed, so a change in the op times
+# far below their precision can decide whether a plan under a tight budget is found at all.
 _RESTART_SCALES = (0.995, 1.005, 0.99, 1.01, 0.98, 1.02)
 
 
@@ -203,8 +202,9 @@ class _Recomputing:
 
 def _cheaper_than_a_swap_in(tensors, model, recomputing: _Recomputing, candidates) -> list[str]:
     """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
-    it back in (activations and normalizations; on an H100 over PCIe, convolution outputs too),
-    largest first, unless what it reads is itself recomputed."""
+    it back in (activations and normalizations; where the host link is slow next to the GPU's
+    arithmetic, convolution outputs too), largest first, unless what it reads is itself
+    recomputed."""
     chosen, pinned = [], set()
     for tensor in sorted(tensors, key=lambda t: -t.bytes):
         cost = recomputing.cost_ms.get(tensor.name)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
+from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.memory.analysis.liveness import (
     LivenessReport,
@@ -57,11 +58,15 @@ class MemoryPlan:
     def to_text(self) -> str:
         prediction = self.decisions.prediction
         before = self.liveness.peak_bytes + self.liveness.persistent_bytes
-        return (f"memory plan for a {self.budget_bytes / MIB:.1f} MiB budget: peak "
-                f"{before / MIB:.1f} -> {prediction.peak_bytes / MIB:.1f} MiB with "
-                f"{len(self.swaps)} swap(s) and {len(self.recomputes)} recomputation(s); "
-                f"predicted step {prediction.step_ms:.3f} ms, of which "
-                f"{prediction.exposed_transfer_ms:.3f} ms waiting for transfers")
+        if self.swaps or self.recomputes:
+            how = (f"{len(self.swaps)} swap(s) and {len(self.recomputes)} recomputation(s) lower "
+                   f"the peak from {format_bytes(before)} to {format_bytes(prediction.peak_bytes)}")
+        else:
+            how = f"the peak of {format_bytes(prediction.peak_bytes)} fits, nothing swapped or " \
+                  "recomputed"
+        return (f"memory plan for a {format_bytes(self.budget_bytes)} budget: {how}; predicted "
+                f"step {prediction.step_ms:.3f} ms, of which {prediction.exposed_transfer_ms:.3f} "
+                "ms waiting for transfers")
 
 
 def op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[str, float]],
@@ -308,15 +313,13 @@ def apply_memory_plan(function, plan: MemoryPlan):
     On a GPU, run it with Grappler's layout optimizer off
     (`tf.config.optimizer.set_experimental_options({"layout_optimizer": False})`): it turns the
     step to NCHW and keeps NHWC copies of the tensors around the swap nodes, which the plan does
-    not count (5.2 GB over the plan at ResNet-50's batch 384 on the H100). And with
-    TF_DISABLE_RZ_CHECK=1: the first step autotunes each of TensorFlow's convolutions into a
-    copy of its output (with guard bytes, to catch cuDNN writing out of bounds), taken while
-    memory allows and held beside the output; on the H100, ResNet-50's planned step at batch
-    576 ran out of memory beside one of 1.87 GB. And with TF_CUDNN_USE_AUTOTUNE=0, or room left
-    beside the budget: the first step's autotuning takes scratch memory as the device allows
-    (on an H200 capped at 16 GiB, ResNet-50's step planned at 12.74 GB for batch 768 peaked at
-    15.1-16.0 GB in its first step, and at 12.3 GB without autotuning). A warning says so when
-    any of these is left on."""
+    not count. And with TF_DISABLE_RZ_CHECK=1: the first step autotunes each of TensorFlow's
+    convolutions into a copy of its output (with guard bytes, to catch cuDNN writing out of
+    bounds), taken while memory allows and held beside the output, enough to put a planned step
+    out of memory. And with TF_CUDNN_USE_AUTOTUNE=0, or room left beside the budget: the first
+    step's autotuning takes scratch memory as the device allows, so that step peaks well above
+    the plan, where a step without autotuning keeps to it. A warning says so when any of these
+    is left on."""
     if tf.config.list_logical_devices("GPU"):
         if tf.config.optimizer.get_experimental_options().get("layout_optimizer", True):
             warnings.warn("Grappler's layout optimizer is on: on a GPU it adds copies the "
@@ -456,7 +459,8 @@ class PrefixStepPlan:
 
     def to_text(self) -> str:
         return "\n".join([
-            f"the ops up to {self.cut} run in {self.micro_batches} micro-batches" if self.cut
+            f"the ops up to {self.cut} run in {self.micro_batches} micro-batches, which the peak "
+            "above counts" if self.cut
             else "whole batches",
             *(f"  passed over {item}" for item in self.passed_over)])
 

@@ -162,7 +162,7 @@ def test_a_failed_save_leaves_no_partial_output(converted, tmp_path, monkeypatch
         raise OSError("disk full, for a test")
 
     monkeypatch.setattr(tf.saved_model, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ConversionError, match="cannot write .*out: disk full, for a test"):
         converter.save(str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
 
@@ -178,7 +178,7 @@ def test_a_memory_budget_is_checked_per_signature(saved_model, tmp_path):
     roomy.convert()
     for report in roomy.reports.values():
         assert report.memory.decisions.prediction.peak_bytes <= 1 << 30
-        assert "memory plan for a 1024.0 MiB budget" in report.to_text()
+        assert "memory plan for a 1 GiB budget" in report.to_text()
     roomy.save(str(tmp_path / "out"))
     loaded = tf.saved_model.load(str(tmp_path / "out"))
     signature = loaded.signatures["serving_default"]
@@ -239,3 +239,12 @@ def test_converted_model_compiles_with_xla(converted):
         np.testing.assert_allclose(output.numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
     hlo = compiled.experimental_get_compiler_ir(tf.constant(x[:BATCH]))(stage="hlo")
     assert "UcudnnConv2D" in hlo  # the plans' ops went into XLA's computation
+
+
+def test_an_output_directory_that_cannot_be_written_is_a_conversion_error(converted, tmp_path):
+    converter, _, _ = converted
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    with pytest.raises(ConversionError, match="cannot write .*a_file/out"):
+        converter.save(str(a_file / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]

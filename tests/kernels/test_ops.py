@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.autograph.impl.api import StagingError
 from reference import (
     CONV2D_CASES,
     CONV3D_CASES,
@@ -19,6 +20,7 @@ from reference import (
 )
 
 import tf_ucudnn
+from tf_ucudnn.core.conv_layer import UnsupportedConvolution
 from tf_ucudnn.core.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.kernels.library import op_library
 
@@ -592,10 +594,19 @@ def test_bad_conv_attributes(attrs, text):
 
 
 def test_channel_mismatch():
-    with pytest.raises(ValueError):  # the shape function, at trace time
+    """The wrapper refuses a grouped convolution with the plugin's reason; the op's shape
+    function and its kernel refuse it too, where the raw op is called."""
+    message = "grouped convolution \\(3 input channels, filter for 2\\) is not supported"
+    with pytest.raises(UnsupportedConvolution, match=message):
+        tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME")
+    # AutoGraph passes the plugin's error on as its StagingError, message kept.
+    with pytest.raises((UnsupportedConvolution, StagingError), match=message):
         tf.function(lambda: tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME"))()
+    with pytest.raises(ValueError):  # the shape function, at trace time
+        tf.function(lambda: op_library().ucudnn_conv2d(_X, _W[:, :, :2], **_ATTRS))()
     with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
-        tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME", plan=KernelPlan.of((5, 1)))
+        op_library().ucudnn_conv2d(_X, _W[:, :, :2], **_ATTRS,
+                                   **KernelPlan.of((5, 1)).attrs())
     message = info.value.message
     assert "UcudnnConv2D" in message and "[5@algo=1]" in message
     assert "input depth 3 must equal the filter's input depth 2" in message

@@ -508,3 +508,53 @@ def test_when_the_step_trial_keeps_tensorflows_step_the_layout_optimizer_comes_b
     # Planned from the second step; three steps each way, the first not timed.
     assert seen.seen[1:7] == [False] * 6
     assert len(seen.seen) > 7 and all(value is not False for value in seen.seen[7:])
+
+
+def test_a_model_with_no_layer_to_plan_is_still_reported():
+    """A Conv1D model: nothing tf_ucudnn can run, each layer named with why."""
+    def conv1d_model():
+        return keras.Sequential([keras.Input((12, 3)), keras.layers.Conv1D(4, 3),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    keras.utils.set_random_seed(1)
+    model = conv1d_model()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.RandomState(0).rand(8, 12, 3).astype("float32")
+    model.fit(x, np.arange(8) % 4, epochs=1, verbose=0, callbacks=[callback])
+    (left,) = callback.report.left_alone
+    assert "conv1d" in left.node and "Conv1D is not a Keras Conv2D or Conv3D" in left.reason
+    assert not callback.report.layers
+
+
+def _failing_identity(x):
+    check = tf.debugging.assert_less(tf.reduce_sum(x), -1e30, message="failing step, for a test")
+    with tf.control_dependencies([check]):
+        return tf.identity(x)
+
+
+def test_a_first_step_that_fails_gives_the_model_its_layers_back():
+    """Keras calls no callback when a step fails; the callback's guard undoes its patches."""
+    layers = keras.layers
+    model = keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same"),
+        # Fails when the step runs, as a step out of memory would.
+        layers.Lambda(_failing_identity),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    x, y = _data()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="failing step, for a test"):
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+    assert all("convolution_op" not in vars(layer) for layer in model.layers)
+
+
+def test_a_planner_that_answers_nothing_is_named_with_the_layer():
+    from tf_ucudnn.core.plan import PlannerAnswerError
+
+    callback = MicroBatchCallback(planner=lambda layer: None, verbose=0)
+    with pytest.raises(PlannerAnswerError, match="the planner returned None"):
+        _fit(_vgg_style, [callback], epochs=1)
