@@ -186,3 +186,20 @@ def test_jsonl_written_by_hand_imports(tmp_path):
     with ProfileDatabase(tmp_path / "p.db") as db:
         db.import_jsonl(path)
         assert [t.algo for t in db.timings(H100, 91400, GEOMETRY, "fwd")[8]] == [2, 1]
+
+
+def test_records_and_export_of_one_machine(tmp_path):
+    a100 = "NVIDIA A100-SXM4-80GB"
+    measured = [record(), record(cudnn_version=90100), record(device=a100),
+                record(device=a100, batch_size=16)]
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert(measured)
+        assert db.machines() == [(a100, 91400), (H100, 90100), (H100, 91400)]
+        assert list(db.records(device=a100)) == [record(device=a100, batch_size=16),
+                                                 record(device=a100)]
+        assert list(db.records(device=H100, cudnn_version=90100)) == [record(cudnn_version=90100)]
+        assert len(list(db.records(cudnn_version=91400))) == 3
+        assert len(list(db.records())) == 4
+        assert db.export_jsonl(tmp_path / "h100.jsonl.gz", device=H100) == 2
+    assert sorted(read_jsonl(tmp_path / "h100.jsonl.gz"), key=repr) == \
+        sorted([record(), record(cudnn_version=90100)], key=repr)

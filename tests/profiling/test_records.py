@@ -1,15 +1,20 @@
 import dataclasses
+import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import Algorithm
 from tf_ucudnn.profiling import (
+    ProfileFileError,
     ProfileRecord,
     group_by_kernel,
     micro_batch_sizes,
+    packaged_profiles,
     read_jsonl,
     write_jsonl,
 )
@@ -176,3 +181,72 @@ def test_writes_gzipped_files_when_the_name_says_so(tmp_path):
     with gzip.open(tmp_path / "copy.jsonl.gz", "rt") as compressed:
         assert compressed.readline().startswith("{")
     assert read_jsonl(tmp_path / "copy.jsonl.gz") == records
+
+
+def _write_lines(path, lines):
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt") as out:
+        out.write("".join(line + "\n" for line in lines))
+
+
+def test_unreadable_files_raise_a_plugin_error_naming_file_and_line(tmp_path):
+    good = json.dumps(ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.2,
+                                    0).to_json())
+    _write_lines(tmp_path / "array.jsonl", [good, "[1, 2]"])
+    _write_lines(tmp_path / "broken.jsonl", [good, good, '{"device": '])
+    # Enough lines for many compressed blocks, cut in the middle.
+    _write_lines(tmp_path / "whole.jsonl.gz", [good] * 20000)
+    whole = (tmp_path / "whole.jsonl.gz").read_bytes()
+    (tmp_path / "truncated.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "plain.jsonl.gz").write_text(good + "\n")
+    (tmp_path / "folder.jsonl").mkdir()
+    cases = [("array.jsonl", r"array\.jsonl:2: bad profile record: not a JSON object: \[1, 2\]"),
+             ("broken.jsonl", r"broken\.jsonl:3: bad profile record: not JSON"),
+             ("truncated.jsonl.gz", r"truncated\.jsonl\.gz:\d+: cannot read: .*truncated"),
+             ("plain.jsonl.gz", r"plain\.jsonl\.gz:1: cannot read: not valid gzip data"),
+             ("missing.jsonl", r"missing\.jsonl: cannot open: No such file"),
+             ("folder.jsonl", r"folder\.jsonl: cannot open: Is a directory")]
+    for name, message in cases:
+        with pytest.raises(ProfileFileError, match=message) as error:
+            read_jsonl(tmp_path / name)
+        assert isinstance(error.value, TfUcudnnError) and isinstance(error.value, ValueError)
+    # The line named is where the data ends, not the first or the last.
+    with pytest.raises(ProfileFileError) as error:
+        read_jsonl(tmp_path / "truncated.jsonl.gz")
+    assert 1 < int(re.search(r":(\d+):", str(error.value)).group(1)) < 20000
+
+
+def test_write_jsonl_writes_whole_files_or_none(tmp_path):
+    record = ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.2, 0)
+    path = tmp_path / "profile.jsonl.gz"
+    write_jsonl(path, [record])
+
+    def failing():
+        yield record
+        raise RuntimeError("the source failed")
+
+    with pytest.raises(RuntimeError, match="source failed"):
+        write_jsonl(path, failing())
+    assert read_jsonl(path) == [record]  # the old file, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.jsonl.gz"]
+    with pytest.raises(ProfileFileError, match=r"nowhere.*profile\.jsonl: cannot write: No such"):
+        write_jsonl(tmp_path / "nowhere" / "profile.jsonl", [record])
+    with pytest.raises(ProfileFileError, match=r"cannot write: Is a directory"):
+        write_jsonl(tmp_path, [record])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.jsonl.gz"]
+
+
+def test_packaged_profiles_are_the_measured_h100_files():
+    paths = packaged_profiles()
+    assert [p.name for p in paths] == ["h100-cudnn9.14-fp32-nchw-alexnet-resnet50-b256.jsonl.gz",
+                                       "h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz"]
+    benchmarks = Path(__file__).parents[2] / "benchmarks" / "results"
+    for path in paths:
+        records = read_jsonl(path)
+        assert {(r.device, r.cudnn_version, r.geometry.dtype) for r in records} == \
+            {(H100, 91400, "float32")}
+        layout = "NHWC" if "nhwc" in path.name else "NCHW"
+        assert {r.geometry.layout for r in records} == {layout}
+        assert max(r.batch_size for r in records) == (128 if layout == "NHWC" else 256)
+        if (benchmarks / path.name).exists():  # the source checkout's copy
+            assert path.read_bytes() == (benchmarks / path.name).read_bytes()

@@ -122,26 +122,37 @@ class ProfileDatabase:
                 AlgorithmTiming(algo, math, time_ms, workspace_bytes))
         return {size: fastest_first(timings) for size, timings in by_size.items()}
 
-    def records(self) -> Iterator[ProfileRecord]:
-        """Every measurement, in key order."""
+    def records(self, device: Optional[str] = None,
+                cudnn_version: Optional[int] = None) -> Iterator[ProfileRecord]:
+        """Every measurement (of `device` and `cudnn_version` where given), in key order."""
+        where, values = _machine_filter(device, cudnn_version)
         with self._errors("cannot read measurements"):
             rows = self._connection.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM measurements "
-                f"ORDER BY {', '.join(_KEY_COLUMNS)}").fetchall()
+                f"SELECT {', '.join(_COLUMNS)} FROM measurements {where} "
+                f"ORDER BY {', '.join(_KEY_COLUMNS)}", values).fetchall()
         for (device, cudnn_version, dtype, layout, geometry, kernel, batch_size, algo, math,
              time_ms, workspace_bytes) in rows:
             yield ProfileRecord(device, cudnn_version,
                                 ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
                                 batch_size, algo, math, time_ms, workspace_bytes)
 
+    def machines(self) -> list[tuple[str, int]]:
+        """The (device, cuDNN version) pairs measured, sorted."""
+        with self._errors("cannot read measurements"):
+            return [tuple(row) for row in self._connection.execute(
+                "SELECT DISTINCT device, cudnn_version FROM measurements ORDER BY 1, 2")]
+
     def import_jsonl(self, path: PathLike, device: Optional[str] = None,
                      cudnn_version: Optional[int] = None) -> int:
-        """Adds the records of a JSON-lines file (either layout; see `records.read_jsonl`)."""
+        """Adds the records of a JSON-lines file (either layout; see `records.read_jsonl`); a file
+        that cannot be read raises ProfileFileError before anything is added."""
         return self.insert(read_jsonl(path, device, cudnn_version))
 
-    def export_jsonl(self, path: PathLike) -> int:
-        """Writes every measurement as JSON lines (without layer labels: they are not stored)."""
-        return write_jsonl(path, self.records())
+    def export_jsonl(self, path: PathLike, device: Optional[str] = None,
+                     cudnn_version: Optional[int] = None) -> int:
+        """Writes the measurements (of `device` and `cudnn_version` where given) as JSON lines,
+        without layer labels (they are not stored); the file appears whole or not at all."""
+        return write_jsonl(path, self.records(device, cudnn_version))
 
     def _open_or_create(self) -> None:
         # Look before writing anything, so that a foreign database is left untouched.
@@ -211,6 +222,17 @@ class ProfileDatabase:
             if reason in ("file is not a database", "database disk image is malformed"):
                 reason = f"not a SQLite database, or damaged ({reason})"
             raise ProfileDatabaseError(self.path, f"{action}: {reason}") from error
+
+
+def _machine_filter(device: Optional[str], cudnn_version: Optional[int]) -> tuple[str, tuple]:
+    """A WHERE clause and its values selecting one machine's rows (all rows where both are None)."""
+    conditions = [(column, value) for column, value in (("device", device),
+                                                         ("cudnn_version", cudnn_version))
+                  if value is not None]
+    if not conditions:
+        return "", ()
+    return ("WHERE " + " AND ".join(f"{column} = ?" for column, _ in conditions),
+            tuple(value for _, value in conditions))
 
 
 def _row(record: ProfileRecord) -> tuple:

@@ -7,6 +7,9 @@ Records are plain data and travel as JSON lines. Two line layouts are read:
 * the layout of the measured files in shared/profiles (2-D only): `height`, `width`,
   `kernel_h`, `kernel_w`, square `pad` and `stride`, dilation 1, `math` as its cudnnMathType_t
   value.
+
+A file that cannot be read or written raises `ProfileFileError`, naming the file (and the line)
+and the reason. `packaged_profiles()` lists the measured profiles shipped with the package.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import gzip
 import json
 import math as _math
 import os
+import zlib
 from collections import defaultdict
+from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
 
@@ -28,6 +34,19 @@ ALL_SIZES = "all"
 POLICIES = (UNDIVIDED, POWER_OF_TWO, ALL_SIZES)
 
 PathLike = Union[str, os.PathLike]
+
+PACKAGED_PROFILES_DIR = Path(__file__).resolve().parent / "data"
+
+
+class ProfileFileError(TfUcudnnError, ValueError):
+    """A profile file that cannot be read or written; names the file (and line) and why."""
+
+
+def packaged_profiles() -> tuple[Path, ...]:
+    """The measured profiles shipped with tf_ucudnn, so that planning works without a GPU:
+    NVIDIA H100 80GB HBM3, cuDNN 9.14, float32; VGG16 and ResNet-50 in NHWC up to batch 128,
+    AlexNet and ResNet-50 in NCHW up to batch 256 (power-of-two micro-batches)."""
+    return tuple(sorted(PACKAGED_PROFILES_DIR.glob("*.jsonl.gz")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,20 +164,52 @@ class ProfileRecord:
 
 def read_jsonl(path: PathLike, device: Optional[str] = None,
                cudnn_version: Optional[int] = None) -> list[ProfileRecord]:
-    """Reads a JSON-lines profile file (gzipped if its name ends in .gz); a bad line raises
-    ValueError naming the file and line."""
-    records = []
-    with _opener(path)(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(ProfileRecord.from_json(json.loads(line), device, cudnn_version))
-            except (ValueError, KeyError, TypeError) as error:
-                reason = f"missing field {error}" if isinstance(error, KeyError) else str(error)
-                raise ValueError(
-                    f"{os.fspath(path)}:{number}: bad profile record: {reason}") from None
+    """Reads a JSON-lines profile file (gzipped if its name ends in .gz). A file that cannot be
+    read, or a bad line, raises ProfileFileError naming the file and line."""
+    name = os.fspath(path)
+    try:
+        lines = _opener(path)(path, "rt", encoding="utf-8")
+    except OSError as error:
+        raise ProfileFileError(f"{name}: cannot open: {_reason(error)}") from None
+    records, number = [], 0
+    with lines:
+        try:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    records.append(_parse_line(line, device, cudnn_version, f"{name}:{number}"))
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
+            # Lines are read in blocks: the one after the last good line is the first unreadable.
+            raise ProfileFileError(f"{name}:{number + 1}: cannot read: {_reason(error)}") from None
     return records
+
+
+def _parse_line(line: str, device: Optional[str], cudnn_version: Optional[int],
+                where: str) -> ProfileRecord:
+    try:
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object: {line.strip()[:60]}")
+        return ProfileRecord.from_json(data, device, cudnn_version)
+    except json.JSONDecodeError as error:
+        reason = f"not JSON ({error.msg} at column {error.colno})"
+    except KeyError as error:
+        reason = f"missing field {error}"
+    except (ValueError, TypeError) as error:
+        reason = str(error)
+    raise ProfileFileError(f"{where}: bad profile record: {reason}")
+
+
+def _reason(error: BaseException) -> str:
+    """An I/O error in words, without the path (the message names it already)."""
+    if isinstance(error, EOFError):
+        return "the compressed data ends early (a truncated file)"
+    if isinstance(error, (gzip.BadGzipFile, zlib.error)):
+        return f"not valid gzip data ({error})"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text ({error.reason})"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error)
 
 
 def _opener(path: PathLike):
@@ -166,12 +217,26 @@ def _opener(path: PathLike):
 
 
 def write_jsonl(path: PathLike, records: Iterable[ProfileRecord]) -> int:
-    """Writes records one JSON object a line (gzipped if the name ends in .gz); returns how many."""
+    """Writes records one JSON object a line (gzipped if the name ends in .gz); returns how many.
+
+    The file appears whole or not at all: it is written beside its name, then renamed. A file
+    that cannot be written raises ProfileFileError naming it.
+    """
+    name = os.fspath(path)
+    partial = f"{name}.partial"
     count = 0
-    with _opener(path)(path, "wt", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record.to_json()) + "\n")
-            count += 1
+    try:
+        with _opener(path)(partial, "wt", encoding="utf-8") as out:
+            for record in records:
+                out.write(json.dumps(record.to_json()) + "\n")
+                count += 1
+        os.replace(partial, name)
+    except BaseException as error:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        if isinstance(error, OSError):
+            raise ProfileFileError(f"{name}: cannot write: {_reason(error)}") from None
+        raise
     return count
 
 

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
 from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.simulator import (
     Prediction,
@@ -322,10 +323,10 @@ class BudgetError(TfUcudnnError, ValueError):
         self.shortfall_bytes = prediction.peak_bytes - budget_bytes
         self.prediction = prediction
         super().__init__(
-            f"the memory budget of {budget_bytes / 2**20:.1f} MiB cannot be met: "
-            f"the predicted peak is {prediction.peak_bytes / 2**20:.1f} MiB at op "
+            f"the memory budget of {format_bytes(budget_bytes)} cannot be met: "
+            f"the predicted peak is {format_bytes(prediction.peak_bytes)} at op "
             f"{prediction.peak_op}"
             + (f" on {prediction.peak_device}" if prediction.peak_device else "")
-            + f", {self.shortfall_bytes / 2**20:.1f} MiB over, the lowest any choice of "
+            + f", {format_bytes(self.shortfall_bytes)} over, the lowest any choice of "
             "swaps and recomputations reached"
             + (f" (tried: {tried})" if tried else ""))
