@@ -46,6 +46,7 @@ import time
 from typing import Optional
 
 import tensorflow as tf
+from step_planning_args import add_step_planning_arguments
 
 from tf_ucudnn.profiling.allocator_log import out_of_memory_report
 
@@ -389,27 +390,13 @@ def main():
     parser.add_argument("--factors", type=float, nargs="+", default=[4, 3, 2.5, 2, 1.5],
                         help="tf_ucudnn's batches, as multiples of TensorFlow's largest, tried in "
                         "turn until one trains")
-    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
-                        choices=["cudnn", "xla", "ucudnn"],
-                        help="tf_ucudnn's steps train batch normalization with this fused "
-                        "kernel (tf_ucudnn.keras.batch_norm_forms; cudnn if none is named)")
-    parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
-                        help="micro-batch counts for the first layers, tried when no plan fits "
-                        "whole batches (tf_ucudnn.keras.plan_keras_step)")
-    parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
-                        help="tf_ucudnn's steps train each convolution and the batch "
-                        "normalization after it as one op, its backward in N micro-batches "
-                        "(tf_ucudnn.keras.streamed_conv_bn)")
+    add_step_planning_arguments(parser)  # how tf_ucudnn's steps are planned
     parser.add_argument("--plans-without-autotuning", action="store_true",
                         help="run tf_ucudnn's planned steps with TF_CUDNN_USE_AUTOTUNE=0: the "
                         "first step's autotuning takes memory the plan does not count")
     parser.add_argument("--synchronous-steps", action="store_true",
                         help="time tf_ucudnn's planned steps each after the last one's loss is "
                         "known, not queued back to back")
-    parser.add_argument("--cut", metavar="LAYER",
-                        help="run tf_ucudnn's steps with the layers up to LAYER in micro-batches "
-                        "(one of --micro-batches), never whole: their largest tensors then need "
-                        "no large free chunk of the allocator's")
     parser.add_argument("--start-batch", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)

@@ -24,6 +24,7 @@ import re
 import tempfile
 
 import tensorflow as tf
+from step_planning_args import add_step_planning_arguments
 
 from tf_ucudnn.graph.functions import CALL_SCOPE
 from tf_ucudnn.profiling.step_trace import (
@@ -102,17 +103,7 @@ def main():
                         "measures and records them, to plan the step it ran)")
     parser.add_argument("--step-ms", type=float, help="the unplanned step's time, if measured")
     parser.add_argument("--memory-limit-gib", type=float, default=16.0)
-    parser.add_argument("--fuse-batch-norm", nargs="?", const="cudnn",
-                        choices=["cudnn", "xla", "ucudnn"])
-    parser.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8],
-                        help="micro-batch counts for the first layers where no plan fits whole "
-                        "batches, as beyond_memory.py plans (tf_ucudnn.keras.plan_keras_step)")
-    parser.add_argument("--stream-conv-bn", type=int, default=0, metavar="N",
-                        help="train each widening convolution and its batch normalization as "
-                        "one op, its backward in N micro-batches, as beyond_memory.py does")
-    parser.add_argument("--cut", metavar="LAYER",
-                        help="plan the layers up to LAYER in micro-batches, never whole "
-                        "(plan_keras_step's whole_batches=False)")
+    add_step_planning_arguments(parser)  # as beyond_memory.py plans
     parser.add_argument("--op-times", action="store_true",
                         help="trace the GPU's kernels too, and compare each op's measured time "
                         "with the time the plan assumed")

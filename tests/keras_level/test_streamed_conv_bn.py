@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tf_ucudnn.keras import models
-from tf_ucudnn.keras.batch_norm_forms import _xla_normalization
+from tf_ucudnn.keras.batch_norm_forms import xla_normalization
 from tf_ucudnn.keras.batch_size_tuner import keras_training_step
 from tf_ucudnn.keras.streamed_conv_bn import (
     conv_batch_norm,
@@ -26,7 +26,7 @@ def _normal(shape, seed):
 
 def _reference(x, kernel, bias, scale, offset, strides, padding):
     z = tf.nn.conv2d(x, kernel, strides, padding.upper())
-    return _xla_normalization(tf.nn.bias_add(z, bias), scale, offset, 1e-3)
+    return xla_normalization(tf.nn.bias_add(z, bias), scale, offset, 1e-3)
 
 
 def _value_and_gradients(normalize, x, kernel, bias, scale, offset, weights):

@@ -65,7 +65,7 @@ def unfusable_because(layer: keras.layers.BatchNormalization, rank: int):
     return None
 
 
-def _cudnn_normalization(x, scale, offset, epsilon):
+def cudnn_normalization(x, scale, offset, epsilon):
     """y, the batch's mean and its biased variance, by FusedBatchNormV3."""
     y, mean, unbiased_variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
         x=x, scale=scale, offset=offset, mean=tf.zeros([0]), variance=tf.zeros([0]),
@@ -76,7 +76,7 @@ def _cudnn_normalization(x, scale, offset, epsilon):
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _xla_forward(x, scale, offset, epsilon):
+def xla_forward(x, scale, offset, epsilon):
     axes = list(range(len(x.shape) - 1))
     mean = tf.reduce_mean(x, axes)
     variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axes)
@@ -85,7 +85,7 @@ def _xla_forward(x, scale, offset, epsilon):
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _xla_backward(dy, x, mean, inv_std, scale):
+def xla_backward(dy, x, mean, inv_std, scale):
     axes = list(range(len(x.shape) - 1))
     count = tf.cast(tf.size(x) // x.shape[-1], x.dtype)
     x_hat = (x - mean) * inv_std
@@ -95,21 +95,21 @@ def _xla_backward(dy, x, mean, inv_std, scale):
     return dx, d_scale, d_offset
 
 
-def _xla_normalization(x, scale, offset, epsilon):
+def xla_normalization(x, scale, offset, epsilon):
     """y, the batch's mean and its biased variance, each way one XLA computation: channels-last
     as it is, so no transposed copies, and the gradient keeps x only (as the fused kernel)."""
 
     @tf.custom_gradient
     def normalize(x, scale, offset):
-        y, mean, variance, inv_std = _xla_forward(x, scale, offset, epsilon)
+        y, mean, variance, inv_std = xla_forward(x, scale, offset, epsilon)
 
         def gradient(dy, *_statistics_gradients):  # the statistics feed moving averages only
-            return _xla_backward(dy, x, mean, inv_std, scale)
+            return xla_backward(dy, x, mean, inv_std, scale)
         return (y, tf.stop_gradient(mean), tf.stop_gradient(variance)), gradient
     return normalize(x, scale, offset)
 
 
-def _ucudnn_normalization(x, scale, offset, epsilon):
+def ucudnn_normalization(x, scale, offset, epsilon):
     """y, the batch's mean and its biased variance, by tf_ucudnn's own op: cuDNN's batch
     normalization on the channels-last tensor as it is, so no transposed copies."""
     y, mean, inv_std = ops.batch_norm(x, scale, offset, epsilon)
@@ -117,8 +117,24 @@ def _ucudnn_normalization(x, scale, offset, epsilon):
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
-KERNELS = {"cudnn": _cudnn_normalization, "xla": _xla_normalization,
-           "ucudnn": _ucudnn_normalization}
+KERNELS = {"cudnn": cudnn_normalization, "xla": xla_normalization,
+           "ucudnn": ucudnn_normalization}
+
+
+@tf.function(jit_compile=True, autograph=False)
+def gradient_sums(dy, z, mean, inv_std):
+    """Per channel: sum(dy) (the offset's gradient) and sum(dy * x_hat) (the scale's)."""
+    axes = list(range(len(z.shape) - 1))
+    return tf.reduce_sum(dy, axes), tf.reduce_sum(dy * ((z - mean) * inv_std), axes)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def normalization_gradient(dy, z, mean, inv_std, scale, d_offset, d_scale, count):
+    """One micro-batch of the batch normalization's input gradient, from the whole batch's
+    statistics and sums, and its per-channel sum (the convolution bias's gradient)."""
+    x_hat = (z - mean) * inv_std
+    dz = (scale * inv_std / count) * (count * dy - d_offset - x_hat * d_scale)
+    return dz, tf.reduce_sum(dz, list(range(len(z.shape) - 1)))
 
 
 def kernel_name(fuse_batch_norm) -> Optional[str]:

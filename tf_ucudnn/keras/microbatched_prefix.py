@@ -34,8 +34,12 @@ import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import even_sizes
-from tf_ucudnn.keras.batch_norm_forms import normalized_axis, update_moving_statistics
-from tf_ucudnn.keras.streamed_conv_bn import _gradient_sums, _normalization_gradient
+from tf_ucudnn.keras.batch_norm_forms import (
+    gradient_sums,
+    normalization_gradient,
+    normalized_axis,
+    update_moving_statistics,
+)
 
 _BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization", "GroupNormalization")
 
@@ -247,7 +251,7 @@ def run_with_batch_statistics(prefix: Prefix, x, micro_batches: int,
                 with tf.control_dependencies(previous):
                     z = before(tf.identity(chunk), training=True)
                     da = normalization_output_gradient(z, dy_chunk, with_weights=True)
-                    chunk_offset, chunk_scale = _gradient_sums(da, z, mean, inv_std)
+                    chunk_offset, chunk_scale = gradient_sums(da, z, mean, inv_std)
                 d_offset = chunk_offset if d_offset is None else d_offset + chunk_offset
                 d_scale = chunk_scale if d_scale is None else d_scale + chunk_scale
                 previous = [d_offset, d_scale, *(g for g in sums if g is not None)]
@@ -259,7 +263,7 @@ def run_with_batch_statistics(prefix: Prefix, x, micro_batches: int,
                         tape.watch(chunk)
                         z = before(chunk, training=True)
                     da = normalization_output_gradient(z, dy_chunk, with_weights=False)
-                    dz, _ = _normalization_gradient(da, z, mean, inv_std, scale, d_offset,
+                    dz, _ = normalization_gradient(da, z, mean, inv_std, scale, d_offset,
                                                     d_scale, count)
                     grads = tape.gradient(z, [chunk, *weights], output_gradients=dz)
                 dx_chunks.append(grads[0])

@@ -49,26 +49,12 @@ import tensorflow as tf
 from tf_ucudnn.core.plan import even_sizes
 from tf_ucudnn.keras.batch_norm_forms import (
     UnfusedLayer,
-    _xla_forward,
+    gradient_sums,
+    normalization_gradient,
     unfusable_because,
     update_moving_statistics,
+    xla_forward,
 )
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _gradient_sums(dy, z, mean, inv_std):
-    """Per channel: sum(dy) (the offset's gradient) and sum(dy * x_hat) (the scale's)."""
-    axes = list(range(len(z.shape) - 1))
-    return tf.reduce_sum(dy, axes), tf.reduce_sum(dy * ((z - mean) * inv_std), axes)
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _normalization_gradient(dy, z, mean, inv_std, scale, d_offset, d_scale, count):
-    """One micro-batch of the batch normalization's input gradient, from the whole batch's
-    statistics and sums, and its per-channel sum (the convolution bias's gradient)."""
-    x_hat = (z - mean) * inv_std
-    dz = (scale * inv_std / count) * (count * dy - d_offset - x_hat * d_scale)
-    return dz, tf.reduce_sum(dz, list(range(len(z.shape) - 1)))
 
 
 def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
@@ -107,10 +93,10 @@ def conv_batch_norm(x, kernel, bias, scale, offset, *, strides=1, padding="VALID
     # convolution's own ops (this gradient is theirs) and makes no zeros of z's size for it.
     @tf.custom_gradient
     def fused(x, kernel, scale, offset, *bias):
-        y, mean, variance, inv_std = _xla_forward(z, scale, offset, epsilon)
+        y, mean, variance, inv_std = xla_forward(z, scale, offset, epsilon)
 
         def gradient(dy, *_statistics_gradients):  # the statistics feed moving averages only
-            d_offset, d_scale = _gradient_sums(dy, z, mean, inv_std)
+            d_offset, d_scale = gradient_sums(dy, z, mean, inv_std)
             dx, d_kernel, d_bias = [], None, None
             # Each micro-batch after the last one's gradients (the first after the sums): one
             # dz at a time, and its slices of x and z counted as backward ops (reading forward
@@ -125,7 +111,7 @@ def conv_batch_norm(x, kernel, bias, scale, offset, *, strides=1, padding="VALID
                     # readers read directly, not through an alias (tf_ucudnn.memory.search.step_plan).
                     x_i, z_i, dy_i = (t if size == t.shape[0] else tf.slice(t, begin, extent)
                                       for t in (x, z, dy))
-                    dz_i, d_bias_i = _normalization_gradient(
+                    dz_i, d_bias_i = normalization_gradient(
                         dy_i, z_i, mean, inv_std, scale, d_offset, d_scale, count)
                 dx.append(tf.raw_ops.Conv2DBackpropInput(
                     input_sizes=x_i.shape.as_list(), filter=kernel, out_backprop=dz_i,
