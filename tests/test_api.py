@@ -5,9 +5,9 @@ import tensorflow as tf
 from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 import tf_ucudnn
-from tf_ucudnn.options import OptionsError
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.memory import BudgetError
+from tf_ucudnn.options import OptionsError
 
 # Compared with the original at float32 precision, on the GPU too.
 pytestmark = pytest.mark.usefixtures("no_tf32")

@@ -57,7 +57,7 @@ from tf_ucudnn.core.plan import KERNELS
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step, plan_keras_step
+from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.analysis.timeline import write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, unfusable_because
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step
+from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.memory import analyze
 
 keras = tf.keras

@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step, tune_batch_size
+from tf_ucudnn.keras.batch_size_tuner import tune_batch_size
+from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.step_plan import plan_step_memory
 

@@ -6,8 +6,8 @@ import tensorflow as tf
 from training_steps import SLOW_LINK, assert_same_step, pooled_conv_model
 
 from tf_ucudnn.core.errors import PrefixError
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step, plan_keras_step
 from tf_ucudnn.keras.microbatched_prefix import cut, microbatched_model_call
+from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import plan_step_memory

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_ucudnn.keras import models
 from tf_ucudnn.keras.batch_norm_forms import xla_normalization
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step
+from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.keras.streamed_conv_bn import (
     conv_batch_norm,
     conv_batch_norm_pairs,

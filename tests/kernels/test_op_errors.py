@@ -4,12 +4,12 @@ the op, the plan and the reason."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.autograph.impl.api import StagingError
 from reference import (
     CONV2D_CASES,
     CONV3D_CASES,
     random,
 )
+from tensorflow.python.autograph.impl.api import StagingError
 
 import tf_ucudnn
 from tf_ucudnn.core.conv_layer import UnsupportedConvolution

@@ -16,7 +16,7 @@ from training_steps import (
 import tf_ucudnn
 from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
-from tf_ucudnn.keras.batch_size_tuner import keras_training_step
+from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.passes.graph_prefix import micro_batch_prefix, prefix_cuts
 from tf_ucudnn.memory.passes.prefix_analysis import POOLINGS

@@ -7,24 +7,17 @@ budget is reported with the shortfall, not dropped silently.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
 from typing import Callable, Iterable, Optional, Union
 
 import tensorflow as tf
 
-from tf_ucudnn.core.errors import PrefixError
-from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
-from tf_ucudnn.keras.microbatched_prefix import cut, microbatched_model_call
-from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
+from tf_ucudnn.keras.planned_step import plan_keras_step
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import (
     MemoryPlan,
-    apply_memory_plan,
     plan_step_memory,
-    plan_with_micro_batches,
 )
 
 MIB = 1 << 20
@@ -66,51 +59,6 @@ class TuningReport:
         lines.append(f"best: batch {self.best.batch_size}" if self.best else
                      "no batch size fits the budget")
         return "\n".join(lines)
-
-
-def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
-                        fuse_batch_norm: Union[bool, str] = False,
-                        micro_batched_until: Optional[str] = None, micro_batches: int = 1,
-                        stream_conv_batch_norm: int = 0):
-    """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
-    with `fuse_batch_norm` (True or "cudnn", "xla", "ucudnn"), its batch normalization layers
-    traced as fused kernels (`tf_ucudnn.keras.batch_norm_forms`; a warning names each layer left
-    unfused, and why); with `micro_batched_until`, the layers up to that one run in
-    `micro_batches` micro-batches, made again for the backward pass
-    (`tf_ucudnn.keras.microbatched_prefix`); with `stream_conv_batch_norm` (a count of
-    micro-batches, 0 for none), each convolution and the batch normalization reading it train
-    as one op whose backward is streamed in that many micro-batches
-    (`tf_ucudnn.keras.streamed_conv_bn`; one warning names the layers not paired, and why), the
-    other batch normalizations as `fuse_batch_norm` says."""
-    loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
-    variables = model.trainable_variables
-    optimizer.build(variables)
-    forward = (microbatched_model_call(cut(model, micro_batched_until), micro_batches)
-               if micro_batched_until else lambda x: model(x, training=True))
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(y, forward(x))
-        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
-        return value
-
-    specs = (tf.TensorSpec([batch_size, *model.input_shape[1:]]),
-             tf.TensorSpec([batch_size], tf.int32))
-    kernel = kernel_name(fuse_batch_norm)
-    with contextlib.ExitStack() as switched:
-        if kernel is not None:
-            for unfused in switched.enter_context(fused_batch_norm(model, kernel)):
-                warnings.warn(f"{unfused.layer}: batch normalization left unfused: "
-                              f"{unfused.reason}")
-        if stream_conv_batch_norm:
-            unpaired = switched.enter_context(
-                streamed_conv_batch_norm(model, stream_conv_batch_norm))
-            if unpaired:  # one warning: in ResNet-50, by design, most layers
-                warnings.warn(f"{len(unpaired)} layer(s) not streamed with a convolution: "
-                              + "; ".join(f"{u.layer}: {u.reason}" for u in unpaired))
-        return step.get_concrete_function(*specs)
 
 
 def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int],
@@ -159,66 +107,3 @@ def _tune(plan_for, batch_sizes: Iterable[int], budget_bytes: int) -> TuningRepo
     return TuningReport(budget_bytes, trials, best, best_plan)
 
 
-@dataclasses.dataclass
-class KerasStepPlan:
-    """A Keras model's training step planned under a budget: its memory plan, the layers run in
-    micro-batches (none if the plan fits without), and every choice tried before, with why it
-    was passed over."""
-
-    plan: MemoryPlan
-    micro_batched_until: Optional[str]
-    micro_batches: int
-    passed_over: list[str]
-
-    def to_json(self) -> dict:
-        return {"micro_batched_until": self.micro_batched_until,
-                "micro_batches": self.micro_batches, "passed_over": self.passed_over,
-                "plan": self.plan.to_json()}
-
-
-def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
-                    device_model: DeviceModel, step_ms: Optional[float] = None,
-                    fuse_batch_norm: Union[bool, str] = False,
-                    micro_batches: Iterable[int] = (4, 8), cuts: Optional[Iterable[str]] = None,
-                    trace: Optional[Callable[[Optional[str], int], object]] = None,
-                    stream_conv_batch_norm: int = 0, whole_batches: bool = True):
-    """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
-    tf.function with its KerasStepPlan. The step's swaps and recomputations are planned first;
-    if no such plan fits, the model's first layers run in micro-batches too: cut after the
-    shallowest layer of `cuts` (default: the poolings) at which the plan fits, in whichever of
-    `micro_batches` gives the shortest predicted step. BudgetError, with the smallest
-    shortfall, if nothing fits; its message lists what was tried. `trace(layer, count)` gives
-    the step to plan (a ConcreteFunction), the layers up to `layer` in `count` micro-batches
-    (`layer` None: whole batches); by default `keras_training_step`'s, with
-    `stream_conv_batch_norm` as it takes it. Without `whole_batches`, only the cuts are tried:
-    the first layers' largest tensors are then never whole on the device, where a plan in whole
-    batches may fit its budget and still leave the allocator no free chunk large enough for
-    them (as a ResNet's stem tensors at large batches)."""
-    def traced(layer: Optional[str], count: int):
-        return (trace(layer, count) if trace is not None else
-                keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
-                                    micro_batched_until=layer, micro_batches=count,
-                                    stream_conv_batch_norm=stream_conv_batch_norm))
-
-    found = plan_with_micro_batches(traced, budget_bytes, device_model, step_ms,
-                                    _cuts(model, cuts), micro_batches, batch_size, whole_batches)
-    return apply_memory_plan(found.step, found.plan), KerasStepPlan(
-        found.plan, found.cut, found.micro_batches, found.passed_over)
-
-
-_POOLINGS = (tf.keras.layers.MaxPooling2D, tf.keras.layers.AveragePooling2D,
-             tf.keras.layers.MaxPooling3D, tf.keras.layers.AveragePooling3D)
-
-
-def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]]):
-    """The layers (`names`, or the poolings) to cut the model after, in order, each with None
-    where it can be cut there, else the reason."""
-    names = list(names) if names is not None else [
-        layer.name for layer in model.layers if isinstance(layer, _POOLINGS)]
-    for name in names:
-        try:
-            cut(model, name)
-        except PrefixError as error:
-            yield name, str(error)
-            continue
-        yield name, None

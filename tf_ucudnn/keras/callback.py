@@ -34,9 +34,9 @@ from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
 from tf_ucudnn.core.plan import LayerPlan, LayerPlanner, plan_or_reason
 from tf_ucudnn.core.units import MIB
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
-from tf_ucudnn.keras.batch_size_tuner import KerasStepPlan, plan_keras_step
 from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
 from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
+from tf_ucudnn.keras.planned_step import KerasStepPlan, plan_keras_step
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.kernels import ops
 from tf_ucudnn.memory import DeviceModel
