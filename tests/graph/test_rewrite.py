@@ -162,3 +162,13 @@ def test_a_planner_that_answers_nothing_is_an_error_naming_the_layer():
 
     with pytest.raises(PlannerAnswerError, match="conv2d.*the planner returned None"):
         rewrite_convolutions(gradient_step(_vgg_style(), 4), lambda layer: None)
+
+
+def test_the_pass_guarantees_every_convolution_is_in_the_report(monkeypatch):
+    """Were a node skipped silently, the pass would fail naming it, not hand back the graph."""
+    from tf_ucudnn.graph import rewrite
+
+    monkeypatch.setattr(rewrite, "_rewrite_nodes", lambda *args: None)  # a pass that forgets
+    with pytest.raises(rewrite.UnreportedConvolution,
+                       match=r"neither rewrote nor reported 9 node\(s\): .*\(Conv2D\)"):
+        rewrite_convolutions(gradient_step(_vgg_style(), 4), _split_plan)

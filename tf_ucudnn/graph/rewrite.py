@@ -17,6 +17,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 from tensorflow.python.framework import function_def_to_graph
 
 from tf_ucudnn.core.conv_layer import UnsupportedConvolution
+from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import (
     BACKPROP_FILTER,
     BACKPROP_INPUT,
@@ -183,7 +184,29 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
         prepare([layer for _, body, _ in scopes for layer in find_conv_layers(body)[0]])
     for scope, body, node_defs in scopes:
         _rewrite_nodes(body, node_defs, scope, planner, report)
+    _check_every_convolution_reported(graph_def, report)
     return rewritten, report
+
+
+class UnreportedConvolution(TfUcudnnError, RuntimeError):
+    """The pass's guarantee broke: a convolution node neither rewritten nor reported left alone."""
+
+
+def _check_every_convolution_reported(graph_def: graph_pb2.GraphDef,
+                                      report: RewriteReport) -> None:
+    """The pass's guarantee: every convolution-like node of the main graph and the library is
+    in the report, rewritten or left alone with why."""
+    reported = {(item.scope, item.node) for item in report.left_alone}
+    reported |= {(item.scope, name) for item in report.layers for name in item.nodes.values()}
+    scopes = [("", graph_def.node)] + [(function.signature.name, function.node_def)
+                                       for function in graph_def.library.function]
+    missing = [f"{scope + ': ' if scope else ''}{node.name} ({node.op})"
+               for scope, nodes in scopes for node in nodes
+               if (node.op in REPLACEMENTS or node.op in UNSUPPORTED)
+               and (scope, node.name) not in reported]
+    if missing:
+        raise UnreportedConvolution(f"the convolution pass neither rewrote nor reported "
+                                    f"{len(missing)} node(s): {', '.join(missing[:5])}")
 
 
 def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: bool = False):
