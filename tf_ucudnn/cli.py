@@ -53,6 +53,7 @@ from tf_ucudnn.conv_planning.network_ilp import (
 from tf_ucudnn.conv_planning.plan_report import PlanReport, kernel_limit_report, network_report
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.files import written_whole
 from tf_ucudnn.core.plan import KERNELS
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
@@ -219,10 +220,8 @@ def _plan_command(args) -> int:
 
 def _write_json(path: str, data: dict) -> None:
     """Writes `data` whole or not at all."""
-    text = json.dumps(data, indent=1)
-    with open(f"{path}.partial", "w") as out:
-        out.write(text)
-    os.replace(f"{path}.partial", path)
+    with written_whole(path) as partial, open(partial, "w") as out:
+        json.dump(data, out, indent=1)
 
 
 def _import_packaged_profiles(database: ProfileDatabase) -> None:

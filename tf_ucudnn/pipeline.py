@@ -22,7 +22,6 @@ from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
 from tf_ucudnn.options import Options
 from tf_ucudnn.parallel.spatial_split import split_graph_def
-from tf_ucudnn.profiling.database import ProfileDatabaseError
 from tf_ucudnn.report import RewriteReport
 
 
@@ -49,8 +48,6 @@ def conv_planner(options: Options, planner: Optional[LayerPlanner] = None,
             options.workspace_limit, options.database, options.profiles, device=options.device,
             cudnn_version=options.cudnn_version, workspace_budget=options.workspace_budget,
             **planner_settings)
-    except ProfileDatabaseError:
-        raise
     except PlannerError as error:
         yield leave_alone_because(f"no planner: {error}")
         return
@@ -69,7 +66,6 @@ def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None,
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
                         f"(got {type(target).__name__})")
     report = RewriteReport()
-    rewritten = target
     with conv_planner(options, planner) as chosen:
         if spatial_devices:
             rewritten, report = apply_graph_pass(target, lambda graph_def, graph: split_graph_def(

@@ -93,3 +93,13 @@ class ConvLayer:
 class UnsupportedConvolution(TfUcudnnError, ValueError):
     """A convolution op this package cannot plan for; the message names it and says why."""
 
+
+def check_not_grouped(name: str, input_channels, filter_channels) -> None:
+    """Refuses a grouped convolution (input channels other than the filter's), where both are
+    known, with the plugin's reason."""
+    if input_channels is not None and filter_channels is not None and \
+            input_channels != filter_channels:
+        raise UnsupportedConvolution(
+            f"{name}: grouped convolution ({input_channels} input channels, filter for "
+            f"{filter_channels}) is not supported")
+

@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import tensorflow as tf
 
-from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
+from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution, check_not_grouped
 from tf_ucudnn.core.geometry import ConvGeometry
 
 # TensorFlow's forward convolution ops this package can replace, by number of spatial dims.
@@ -30,11 +30,8 @@ def conv_layer_of(op: tf.Operation) -> ConvLayer:
             f"{op.name}: input shape {input_shape} or filter shape {filter_shape} is not fully "
             "known; give the batch size and input shape when tracing the model")
     data_format = op.get_attr("data_format").decode()
-    channel_dim = -1 if data_format.endswith("C") else 1
-    if input_shape[channel_dim] != filter_shape[-2]:
-        raise UnsupportedConvolution(
-            f"{op.name}: grouped convolution ({input_shape[channel_dim]} input channels, filter "
-            f"for {filter_shape[-2]}) is not supported")
+    check_not_grouped(op.name, input_shape[-1 if data_format.endswith("C") else 1],
+                      filter_shape[-2])
     attr = {a.name for a in op.op_def.attr}
     return ConvLayer(
         name=op.name, op_type=op.type,

@@ -190,10 +190,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
             return
         # A first step that fails (out of memory, say) gives the model its own layers back too.
         self._guard_train_function()
-        if not self._patched:  # nothing to plan: the report says why for each layer
-            self.report = RewriteReport(left_alone=list(left_alone))
-            if self.verbose:
-                print(self.summary(), flush=True)
+        if not self._patched:  # nothing to plan: the report says why for each layer now
+            self._plan(lambda patched: None)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._trial is not None:

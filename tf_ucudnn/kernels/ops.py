@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from tf_ucudnn.core.conv_layer import UnsupportedConvolution
+from tf_ucudnn.core.conv_layer import check_not_grouped
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan, workspace_attr
 from tf_ucudnn.kernels.library import op_library
 
@@ -101,23 +101,14 @@ def with_workspaces(output: tf.Tensor, workspaces: dict) -> tf.Tensor:
     return output
 
 
-def _check_not_grouped(name, input, filters, data_format) -> None:
-    """Refuses a grouped convolution with the plugin's reason, where the shapes tell (TensorFlow's
-    shape function would refuse it in graph mode with its own message)."""
-    input_channels = tf.TensorShape(input.shape)[-1 if (data_format or "NHWC").endswith("C")
-                                                 else 1]
-    filter_channels = tf.TensorShape(filters.shape)[-2]
-    if input_channels is not None and filter_channels is not None and \
-            input_channels != filter_channels:
-        raise UnsupportedConvolution(
-            f"{name}: grouped convolution ({input_channels} input channels, filter for "
-            f"{filter_channels}) is not supported")
-
-
 def _forward(op_name, num_spatial, input, filters, strides, padding, data_format, dilations, plan,
              plan_batch_size, name):
     plan = _layer_plan(plan)
-    _check_not_grouped(op_name if name is None else name, input, filters, data_format)
+    # Where the shapes tell, the plugin's reason, before TensorFlow's shape function gives its own.
+    check_not_grouped(op_name if name is None else name,
+                      tf.TensorShape(input.shape)[-1 if (data_format or "NHWC").endswith("C")
+                                                  else 1],
+                      tf.TensorShape(filters.shape)[-2])
     op = getattr(op_library(), op_name)
     output = op(input, filters,
                 **_conv_attrs(num_spatial, strides, padding, data_format, dilations),

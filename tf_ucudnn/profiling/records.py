@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.files import written_whole
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
 
@@ -223,20 +224,14 @@ def write_jsonl(path: PathLike, records: Iterable[ProfileRecord]) -> int:
     that cannot be written raises ProfileFileError naming it.
     """
     name = os.fspath(path)
-    partial = f"{name}.partial"
     count = 0
     try:
-        with _opener(path)(partial, "wt", encoding="utf-8") as out:
+        with written_whole(name) as partial, _opener(path)(partial, "wt", encoding="utf-8") as out:
             for record in records:
                 out.write(json.dumps(record.to_json()) + "\n")
                 count += 1
-        os.replace(partial, name)
-    except BaseException as error:
-        if os.path.exists(partial):
-            os.unlink(partial)
-        if isinstance(error, OSError):
-            raise ProfileFileError(f"{name}: cannot write: {_reason(error)}") from None
-        raise
+    except OSError as error:
+        raise ProfileFileError(f"{name}: cannot write: {_reason(error)}") from None
     return count
 
 

@@ -4,9 +4,9 @@ deciding one."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
+from tf_ucudnn.core.files import written_whole
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.memory.analysis.liveness import LivenessReport
 
@@ -45,9 +45,8 @@ def write_timeline_png(path: str, liveness: LivenessReport, budget_bytes: Option
         axes.set_title(title or "memory timeline")
         axes.legend(loc="upper left", fontsize="small")
         figure.tight_layout()
-        partial = f"{path}.partial.png"
-        figure.savefig(partial, format="png")
-        os.replace(partial, path)
+        with written_whole(path) as partial:
+            figure.savefig(partial, format="png")
     finally:
         pyplot.close(figure)
     return path
