@@ -147,14 +147,16 @@ def test_while_training_the_layers_run_tf_ucudnn_ops():
 def test_with_a_memory_budget_training_follows_the_memory_plan():
     from training_steps import SLOW_LINK
 
-    probe = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+    probe = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                               memory_budget=1 << 40,
                                device_model=SLOW_LINK, verbose=0)
     _fit(_vgg_style, [probe], epochs=1)
     unplanned_peak = probe.report.memory.decisions.prediction.peak_bytes
     assert not probe.report.memory.swaps and not probe.report.memory.recomputes
 
     plain, plain_history = _fit(_vgg_style, [])
-    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=int(
+    callback = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                                  memory_budget=int(
         unplanned_peak * 0.9), device_model=SLOW_LINK, verbose=0)
     trained_by = []
 
@@ -198,7 +200,8 @@ def test_with_a_memory_budget_no_step_runs_unplanned(monkeypatch):
     plain, plain_history = _fit(_vgg_style, [])
     assert len(own_calls) == 9  # the spy sees plain training
     own_calls.clear()
-    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+    callback = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                                  memory_budget=1 << 40,
                                   device_model=SLOW_LINK, verbose=0)
     planned, history = _fit(_vgg_style, [callback])
     assert own_calls == []
@@ -221,7 +224,8 @@ def test_the_memory_plan_counts_the_workspace_of_each_planned_kernel():
             return LayerPlan(with_workspace(plan.forward, 4096),
                              with_workspace(plan.backprop_input, 8192), plan.backprop_filter)
 
-    callback = MicroBatchCallback(planner=ProfiledPlanner(), memory_budget=1 << 40,
+    callback = MicroBatchCallback(planner=ProfiledPlanner(), accumulate_gradients=False,
+                                  memory_budget=1 << 40,
                                   device_model=SLOW_LINK, verbose=0)
     _fit(_vgg_style, [callback], epochs=1)
     liveness = callback.report.memory.liveness
@@ -237,12 +241,14 @@ def test_the_memory_plan_counts_the_workspace_of_each_planned_kernel():
 def test_under_a_tighter_budget_the_first_layers_train_in_micro_batches():
     from training_steps import SLOW_LINK
 
-    probe = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+    probe = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                               memory_budget=1 << 40,
                                device_model=SLOW_LINK, verbose=0)
     _fit(_vgg_style, [probe], epochs=1)
     budget = int(probe.report.memory.decisions.prediction.peak_bytes * 0.6)
     plain, plain_history = _fit(_vgg_style, [])
-    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=budget,
+    callback = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                                  memory_budget=budget,
                                   device_model=SLOW_LINK, verbose=0)
     planned, history = _fit(_vgg_style, [callback])
     chosen = callback.memory_plan
@@ -274,7 +280,8 @@ def test_asked_to_the_callback_trains_first_layers_with_a_batch_normalization_in
     from training_steps import SLOW_LINK
 
     plain, plain_history = _fit(_stem_style, [])
-    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget=1 << 40,
+    callback = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                                  memory_budget=1 << 40,
                                   device_model=SLOW_LINK, whole_batches=False, verbose=0)
     planned, history = _fit(_stem_style, [callback])
     chosen = callback.memory_plan
@@ -290,11 +297,13 @@ def test_asked_to_the_callback_trains_first_layers_with_a_batch_normalization_in
 def test_without_a_workspace_limit_convolutions_stay_tensorflows_under_a_memory_budget():
     from training_steps import SLOW_LINK
 
-    probe = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK, verbose=0)
+    probe = MicroBatchCallback(None, accumulate_gradients=False,
+                               memory_budget=1 << 40, device_model=SLOW_LINK, verbose=0)
     _fit(_vgg_style, [probe], epochs=1)
     budget = int(probe.report.memory.decisions.prediction.peak_bytes * 0.9)
     plain, plain_history = _fit(_vgg_style, [])
-    callback = MicroBatchCallback(None, memory_budget=budget, device_model=SLOW_LINK, verbose=0)
+    callback = MicroBatchCallback(None, accumulate_gradients=False,
+                                  memory_budget=budget, device_model=SLOW_LINK, verbose=0)
     planned, history = _fit(_vgg_style, [callback])
     report = callback.report
     assert not report.layers
@@ -315,7 +324,8 @@ def test_streamed_convolutions_with_their_batch_normalization_train_to_the_same_
     from training_steps import SLOW_LINK
 
     plain, plain_history = _fit(_stem_style, [])
-    callback = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK,
+    callback = MicroBatchCallback(None, accumulate_gradients=False,
+                                  memory_budget=1 << 40, device_model=SLOW_LINK,
                                   stream_conv_batch_norm=4, verbose=0)
     planned, history = _fit(_stem_style, [callback])
     first, second = [layer for layer in planned.layers if "conv" in layer.name]
@@ -340,7 +350,8 @@ def test_a_memory_budget_that_cannot_be_met_stops_training_with_the_reason():
 
     from tf_ucudnn.memory import BudgetError
 
-    callback = MicroBatchCallback(planner=SplittingPlanner(), memory_budget="1KiB",
+    callback = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
+                                  memory_budget="1KiB",
                                   device_model=SLOW_LINK, verbose=0)
     with pytest.raises(BudgetError, match="cannot be met"):
         _fit(_vgg_style, [callback], epochs=1)

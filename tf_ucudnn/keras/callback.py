@@ -33,6 +33,13 @@ import tensorflow as tf
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
 from tf_ucudnn.core.plan import LayerPlan, LayerPlanner, plan_or_reason
 from tf_ucudnn.core.units import MIB
+from tf_ucudnn.keras.accumulated_step import (
+    AccumulationPlan,
+    accumulated_train_step,
+    accumulation_refusal,
+    plan_accumulation,
+    smaller_after_measuring,
+)
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
 from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
@@ -78,11 +85,18 @@ class MicroBatchCallback(keras.callbacks.Callback):
       database: the profile database file of the default planner.
       profiles: JSON-lines profile files the default planner imports first.
       memory_budget: optionally, the device memory the training step must fit in (bytes or a
-        size); the step is then traced at the real batch size and trained with the swaps and
-        recomputations `tf_ucudnn.rewrite` plans for it (one step per call: steps_per_execution
-        must be 1). If no such plan fits, the model's first layers run in micro-batches too
+        size); one step per call: steps_per_execution must be 1. Where no layer of the model
+        mixes samples (no normalization by batch statistics) and the loss is averaged over the
+        batch, the whole step runs in micro-batches with their gradients summed, the same
+        update as the whole batch, compiled by XLA as the model says
+        (`tf_ucudnn.keras.accumulated_step`; `accumulation` holds the plan, else
+        `accumulation_refused` says why not). Otherwise the step is traced at the real batch
+        size and trained, without XLA, with the swaps and recomputations `tf_ucudnn.rewrite`
+        plans for it; if no such plan fits, the model's first layers run in micro-batches too
         (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met stops training with a
-        BudgetError saying by how much.
+        BudgetError or AccumulationError saying by how much.
+      accumulate_gradients: False to plan swaps and recomputations under a memory budget even
+        where the whole step could run in micro-batches with its gradients summed.
       micro_batches: the micro-batch counts the first layers may run in under a memory budget
         (none: whole batches only).
       whole_batches: False to run the first layers in micro-batches under a memory budget even
@@ -113,6 +127,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  planner: Optional[LayerPlanner] = None,
                  *, database: Optional[str] = None, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
+                 accumulate_gradients: bool = True,
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
                  trial_steps: int = 5, verbose: int = 1):
@@ -126,7 +141,10 @@ class MicroBatchCallback(keras.callbacks.Callback):
                                profiles=profiles)
         self._device_model = device_model
         self.whole_batches = whole_batches
+        self.accumulate_gradients = accumulate_gradients
         self.memory_plan: Optional[KerasStepPlan] = None
+        self.accumulation: Optional[AccumulationPlan] = None
+        self.accumulation_refused: Optional[str] = None
         self._planner = planner
         self.verbose = verbose
         if trial_steps < 0:
@@ -177,7 +195,13 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if self.stream_conv_batch_norm:
             self.unstreamed = self._layer_switches.enter_context(
                 streamed_conv_batch_norm(self.model, self.stream_conv_batch_norm))
-        if self.options.memory_budget is not None and self.model.jit_compile:
+        self.accumulation = None
+        self.accumulation_refused = (
+            None if self.options.memory_budget is None else
+            accumulation_refusal(self.model) if self.accumulate_gradients else
+            "accumulate_gradients=False")
+        if self.options.memory_budget is not None and self.model.jit_compile and \
+                self.accumulation_refused is not None:
             # The memory-planned step orders its swaps and recomputations by control edges, which
             # XLA would not keep, so XLA is off from the first step on (sparing a compilation for
             # one step); the model's own setting comes back at the end.
@@ -284,16 +308,65 @@ class MicroBatchCallback(keras.callbacks.Callback):
         data = next_data.get_value()
         try:
             specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), data)
+            if self.accumulation_refused is None:
+                self._plan_accumulation(specs)
+            elif self.verbose and self.accumulate_gradients:
+                print(f"tf_ucudnn: the step is not run in micro-batches: "
+                      f"{self.accumulation_refused}", flush=True)
             # Traced, not run: each convolution layer notes its input's shape.
             tf.function(self.model.train_step).get_concrete_function(specs)
             self._plan(lambda patched: patched.traced_shape)
             self._retrace()
+            if self.accumulation is not None:
+                self.report.memory = self.accumulation
+                if self.verbose:
+                    print(self.accumulation.to_text(), flush=True)
+                return self._first_accumulated_step(data)
             planned_step = self._plan_memory(specs)
         except BaseException:
             self.on_train_end()  # Keras skips it when training stops on an error
             raise
         self._guard_train_function()
         return planned_step(data)
+
+    def _plan_accumulation(self, specs) -> None:
+        """The whole step in micro-batches, as large as the budget lets the liveness analysis
+        predict, for a model whose layers treat each sample on its own."""
+        batch = tf.nest.flatten(specs)[0].shape[0]
+
+        def trace(size):
+            def resized(spec):
+                if spec.shape.rank and spec.shape[0] == batch:
+                    return tf.TensorSpec([size, *spec.shape[1:]], spec.dtype)
+                return spec
+            return tf.function(self.model.train_step).get_concrete_function(
+                tf.nest.map_structure(resized, specs))
+
+        self.accumulation = plan_accumulation(self.model, batch, self.options.memory_budget,
+                                              trace)
+        self._accumulate(self.accumulation.micro_batch_size)
+
+    def _accumulate(self, micro_batch_size: int) -> None:
+        self.model.__dict__["train_step"] = accumulated_train_step(self.model, micro_batch_size)
+
+    def _first_accumulated_step(self, data):
+        """Trains the first batch in micro-batches; on a GPU its measured peak may ask for
+        smaller ones (XLA's buffers are not the analysis's), and the step is made again."""
+        gpus = tf.config.list_logical_devices("GPU")
+        if gpus:
+            tf.config.experimental.reset_memory_stats(gpus[0].name)
+        logs = self.model.train_function([data])  # Keras takes any iterable of batches
+        if gpus:
+            measured = tf.config.experimental.get_memory_info(gpus[0].name)["peak"]
+            smaller = smaller_after_measuring(self.accumulation, measured)
+            if smaller is not None:
+                if self.verbose:
+                    print(self.accumulation.passed_over[-1] + ": over the budget; micro-batches "
+                          f"of {smaller} from now on", flush=True)
+                self._accumulate(smaller)
+                self._retrace()
+        self._guard_train_function()
+        return logs
 
     def _plan_memory(self, specs):
         """Plans the step's memory for data of `specs`, makes the planned step Keras's train

@@ -65,10 +65,7 @@ def cut(model: tf.keras.Model, layer: str) -> Prefix:
     except ValueError as error:
         raise PrefixError(f"{model.name} has no layer {layer!r}") from error
     head = tf.keras.Model(model.inputs, boundary.output, name=f"{model.name}_to_{layer}")
-    # A batch normalization that is not trainable normalizes with its moving statistics.
-    dependent = [inner for inner in head.layers if type(inner).__name__ in _BATCH_DEPENDENT
-                 and not (isinstance(inner, tf.keras.layers.BatchNormalization)
-                          and not inner.trainable)]
+    dependent = batch_dependent_layers(head)
     normalization = before = after = None
     if dependent:
         normalization = dependent[0]
@@ -97,6 +94,20 @@ def cut(model: tf.keras.Model, layer: str) -> Prefix:
         raise PrefixError(f"{layer}: the layers before and after it do not divide the "
                           "model's weights between them")
     return Prefix(layer, head, tail, normalization, before, after)
+
+
+def batch_dependent_layers(model: tf.keras.Model) -> list:
+    """The layers of `model` whose training output for a sample depends on the rest of the
+    batch (normalizations by batch statistics), in the model's order."""
+    found = []
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.Model):  # a model used as a layer: its own layers
+            found += batch_dependent_layers(layer)
+        # A batch normalization that is not trainable normalizes with its moving statistics.
+        elif type(layer).__name__ in _BATCH_DEPENDENT and not (
+                isinstance(layer, tf.keras.layers.BatchNormalization) and not layer.trainable):
+            found.append(layer)
+    return found
 
 
 def _unsplittable_normalization(dependent: list) -> Optional[str]:

@@ -1,0 +1,119 @@
+"""MicroBatchCallback under a memory budget, for models whose layers treat each sample on its own:
+the whole step in micro-batches with the gradients summed, compiled by XLA as the model asks,
+trains to the weights of the whole batch."""
+
+import keras
+import numpy as np
+import pytest
+
+from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.keras.accumulated_step import AccumulationError, AccumulationPlan
+from tf_ucudnn.keras.callback import MicroBatchCallback
+
+pytestmark = pytest.mark.usefixtures("no_tf32")
+
+
+class HalvingPlanner:
+    """Splits every kernel in two, and notes the batch sizes it plans for."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __call__(self, layer):
+        self.batches.append(layer.batch_size)
+        half = layer.batch_size // 2
+        halves = KernelPlan.of((half, 0), (layer.batch_size - half, 1))
+        return LayerPlan(halves, halves, halves)
+
+
+def per_sample_model():
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(16, 3, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4)])
+
+
+def normalized_model():
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)), layers.Conv2D(8, 3), layers.BatchNormalization(name="bn"),
+        layers.GlobalAveragePooling2D(), layers.Dense(4)])
+
+
+def fit(build, callbacks, jit_compile, epochs=2):
+    keras.utils.set_random_seed(1)
+    model = build()
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=jit_compile)
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(40, 12, 12, 3).astype("float32"), np.arange(40) % 4
+    history = model.fit(x, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
+                        callbacks=callbacks)
+    return model, history.history
+
+
+def whole_batch_peak(jit_compile) -> int:
+    probe = MicroBatchCallback(None, memory_budget=1 << 40, verbose=0)
+    fit(per_sample_model, [probe], jit_compile, epochs=1)
+    assert probe.accumulation.micro_batches == 1  # the whole batch fits: one micro-batch
+    return probe.accumulation.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_micro_batches_under_the_budget_train_to_the_whole_batchs_weights(jit_compile):
+    plain, plain_history = fit(per_sample_model, [], jit_compile)
+    budget = int(whole_batch_peak(jit_compile) * 0.75)
+    planner = HalvingPlanner()
+    callback = MicroBatchCallback(planner=planner, memory_budget=budget, trial_steps=0,
+                                  verbose=0)
+    planned, history = fit(per_sample_model, [callback], jit_compile)
+    plan = callback.accumulation
+    assert isinstance(plan, AccumulationPlan) and callback.report.memory is plan
+    assert plan.batch == 16 and plan.micro_batches > 1
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.passed_over[0].startswith("micro-batches of 16: predicted")
+    assert callback.accumulation_refused is None and callback.memory_plan is None
+    # XLA stays as the model asked; the convolutions are planned for the micro-batch.
+    assert planned.jit_compile is jit_compile
+    assert set(planner.batches) == {plan.micro_batch_size}
+    assert len(callback.report.layers) == 2
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["accuracy"], plain_history["accuracy"])
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert "train_step" not in vars(planned)
+
+
+def test_a_model_normalizing_by_batch_statistics_is_planned_with_swaps_and_recomputations():
+    from training_steps import SLOW_LINK
+
+    callback = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK,
+                                  verbose=0)
+    model, _ = fit(normalized_model, [callback], jit_compile=True, epochs=1)
+    assert callback.accumulation is None
+    assert callback.accumulation_refused == ("bn: BatchNormalization normalizes each sample "
+                                             "with statistics of the whole batch")
+    assert callback.memory_plan is not None
+    assert model.jit_compile is True  # given back at the end
+
+
+def test_accumulation_can_be_turned_off():
+    from training_steps import SLOW_LINK
+
+    callback = MicroBatchCallback(None, memory_budget=1 << 40, device_model=SLOW_LINK,
+                                  accumulate_gradients=False, verbose=0)
+    fit(per_sample_model, [callback], jit_compile=False, epochs=1)
+    assert callback.accumulation is None and callback.memory_plan is not None
+    assert callback.accumulation_refused == "accumulate_gradients=False"
+
+
+def test_a_budget_even_one_sample_misses_stops_training_with_the_reason():
+    callback = MicroBatchCallback(None, memory_budget="1KiB", verbose=0)
+    with pytest.raises(AccumulationError, match="even one sample at a time"):
+        fit(per_sample_model, [callback], jit_compile=False, epochs=1)
+    assert "train_step" not in vars(callback.model)  # the model's own step is back

@@ -1,0 +1,194 @@
+"""The whole training step in micro-batches: each micro-batch runs the model's own train_step
+(forward pass, loss, gradients), the gradients are summed, and the optimizer updates the weights
+once. This is μ-cuDNN's division along the batch, taken from one convolution to the whole step.
+
+For a model whose layers treat each sample on its own (no normalization by batch statistics) and
+a loss averaged over the batch, the summed gradient is the whole batch's and the metrics count
+each sample once, while the device holds one micro-batch's activations. Under XLA the
+micro-batches are one loop in one compiled step, so the step keeps XLA's speed at a batch that
+does not fit whole. The micro-batch size is the largest whose step the liveness analysis
+predicts under the budget; a GPU's measured peak can then ask for a smaller one
+(`smaller_after_measuring`), as XLA's buffers are not TensorFlow's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.units import format_bytes
+from tf_ucudnn.keras.microbatched_prefix import batch_dependent_layers
+from tf_ucudnn.memory.analysis.liveness import analyze
+
+_MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
+
+
+class AccumulationError(TfUcudnnError, ValueError):
+    """The step cannot be micro-batched under the budget; says why."""
+
+
+def accumulation_refusal(model: tf.keras.Model) -> Optional[str]:
+    """Why `model`'s step in micro-batches would not compute the whole batch's update, or None."""
+    dependent = batch_dependent_layers(model)
+    if dependent:
+        more = f" (and {len(dependent) - 1} more)" if len(dependent) > 1 else ""
+        return (f"{dependent[0].name}{more}: {type(dependent[0]).__name__} normalizes each "
+                "sample with statistics of the whole batch")
+    if getattr(model, "optimizer", None) is None:
+        return "the model is not compiled with an optimizer"
+    for loss in tf.nest.flatten(getattr(model, "loss", None)):
+        reduction = getattr(loss, "reduction", None)
+        if reduction not in _MEAN_OVER_BATCH:
+            return (f"its loss {getattr(loss, 'name', loss)!r} is reduced by {reduction!r}: only a "
+                    "loss averaged over the batch sums to the whole batch's from micro-batches")
+    return None
+
+
+def micro_batch_count(batch: int, largest: int) -> int:
+    """The fewest equal micro-batches, each of at most `largest` samples, that `batch` divides
+    into (one loop of one compiled shape)."""
+    return next(count for count in range(1, batch + 1)
+                if batch % count == 0 and batch // count <= largest)
+
+
+@dataclasses.dataclass
+class AccumulationPlan:
+    """A step of `batch` samples in micro-batches of `micro_batch_size`, its peak predicted by
+    the liveness analysis (and measured, once a step has run on a GPU), and the sizes passed
+    over with why."""
+
+    batch: int
+    micro_batch_size: int
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: Optional[int] = None
+    passed_over: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.batch // self.micro_batch_size
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"micro_batches": self.micro_batches}
+
+    def to_text(self) -> str:
+        measured = ("" if self.measured_peak_bytes is None else
+                    f", measured {format_bytes(self.measured_peak_bytes)}")
+        lines = [f"tf_ucudnn: the step of {self.batch} in {self.micro_batches} micro-batch(es) of "
+                 f"{self.micro_batch_size}, gradients summed: peak predicted "
+                 f"{format_bytes(self.predicted_peak_bytes)}{measured} under a budget of "
+                 f"{format_bytes(self.budget_bytes)}"]
+        return "\n".join(lines + [f"  passed over: {why}" for why in self.passed_over])
+
+
+def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
+                      trace: Callable[[int], object]) -> AccumulationPlan:
+    """The largest micro-batch size that divides `batch` and whose step (`trace(size)`, a
+    ConcreteFunction of the model's own train step at that batch) the liveness analysis
+    predicts under `budget_bytes` with the gradients' sums beside it. AccumulationError if even
+    one sample does not fit."""
+    sums = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
+               for w in model.trainable_weights)
+    passed_over = []
+    size = batch
+    while True:
+        report = analyze(trace(size))
+        predicted = report.peak_bytes + report.persistent_bytes + (sums if size < batch else 0)
+        if predicted <= budget_bytes:
+            return AccumulationPlan(batch, size, budget_bytes, predicted,
+                                    passed_over=passed_over)
+        passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}")
+        if size == 1:
+            raise AccumulationError(
+                f"{model.name}: even one sample at a time is predicted to need "
+                f"{format_bytes(predicted)}, over the budget of {format_bytes(budget_bytes)}")
+        # The activations scale with the micro-batch; the variables and the sums do not.
+        fixed = report.persistent_bytes + sums
+        per_sample = max(predicted - fixed, 1) / size
+        estimate = max(int((budget_bytes - fixed) // per_sample), 1)
+        size = batch // micro_batch_count(batch, min(estimate, size - 1))
+
+
+def smaller_after_measuring(plan: AccumulationPlan, measured_peak_bytes: int) -> Optional[int]:
+    """After a step measured `measured_peak_bytes`: the micro-batch size to train with, if the
+    plan's is over the budget (scaled by how far the measurement is above the budget), or None
+    if it fits. AccumulationError if no smaller size is left."""
+    plan.measured_peak_bytes = measured_peak_bytes
+    if measured_peak_bytes <= plan.budget_bytes:
+        return None
+    plan.passed_over.append(f"micro-batches of {plan.micro_batch_size}: measured "
+                            f"{format_bytes(measured_peak_bytes)}")
+    if plan.micro_batch_size == 1:
+        raise AccumulationError(f"one sample at a time measured {format_bytes(measured_peak_bytes)}"
+                                f", over the budget of {format_bytes(plan.budget_bytes)}")
+    target = int(plan.micro_batch_size * plan.budget_bytes / measured_peak_bytes)
+    size = plan.batch // micro_batch_count(plan.batch, max(min(target, plan.micro_batch_size - 1), 1))
+    plan.micro_batch_size, plan.measured_peak_bytes = size, None
+    return size
+
+
+def accumulated_train_step(model: tf.keras.Model, micro_batch_size: int):
+    """`model`'s own train_step, run over micro-batches of at most `micro_batch_size` samples in
+    one loop, with the optimizer's update made once from the summed gradients."""
+    own_step = type(model).train_step.__get__(model)
+    optimizer = model.optimizer
+
+    def gradients_of(piece):
+        """Runs the model's own step on `piece`, handing back the gradients it would apply."""
+        caught = []
+        optimizer.__dict__["apply_gradients"] = lambda pairs, *args, **kwargs: caught.extend(pairs)
+        try:
+            own_step(piece)
+        finally:
+            optimizer.__dict__.pop("apply_gradients", None)
+        return [tf.convert_to_tensor(g) if g is not None else tf.zeros(w.shape, w.dtype)
+                for g, w in caught]
+
+    def train_step(data):
+        leading = next(t for t in tf.nest.flatten(data) if t is not None)
+        batch = leading.shape[0]
+        if batch is not None:  # known while tracing: so are the micro-batches
+            if batch <= micro_batch_size:
+                return own_step(data)
+            count = micro_batch_count(batch, micro_batch_size)
+            size = batch // count
+        else:  # a dataset whose last batch may be partial: sizes XLA still finds constant
+            batch = tf.shape(leading)[0]
+            candidates = tf.range(1, micro_batch_size + 1)
+            size = tf.reduce_max(tf.where(batch % candidates == 0, candidates, 1))
+            count = batch // size
+        weights = model.trainable_weights
+
+        def piece_of(t, i):
+            if t is None or t.shape.rank == 0 or (isinstance(batch, int) and t.shape[0] != batch):
+                return t
+            return tf.reshape(t, tf.concat([[count, size], tf.shape(t)[1:]], 0))[i]
+
+        def body(i, sums):
+            piece = tf.nest.map_structure(lambda t: piece_of(t, i), data)
+            grads = gradients_of(piece)
+            return i + 1, [s + g / tf.cast(count, g.dtype) for s, g in zip(sums, grads)]
+
+        _, sums = tf.while_loop(
+            lambda i, _: i < count, body,
+            (tf.constant(0), [tf.zeros(w.shape, w.dtype) for w in weights]),
+            parallel_iterations=1)
+        optimizer.apply_gradients(zip(sums, weights))
+        return model.get_metrics_result()
+    return train_step
+
+
+@contextlib.contextmanager
+def accumulating(model: tf.keras.Model, micro_batch_size: int):
+    """Within the block, the model trains (`model.train_step`) in micro-batches of at most
+    `micro_batch_size`; Keras's train function must be made again to see it."""
+    model.__dict__["train_step"] = accumulated_train_step(model, micro_batch_size)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("train_step", None)
