@@ -281,7 +281,7 @@ def _child_setup(args) -> dict:
     takes what it finds free, as on a GPU of that size)."""
     setting = {"allocator": args.trial_allocator}
     if args.trial_allocator == "bfc":
-        _cap_gpu_memory(args.memory_limit_gib)
+        setting["device"] = _cap_gpu_memory(args.memory_limit_gib)
     elif tf.config.list_physical_devices("GPU"):
         setting["held_bytes"] = _hold_all_but(int(args.memory_limit_gib * (1 << 30)))
     return setting
@@ -368,6 +368,11 @@ def _keras_callback_child(args) -> dict:
     rate, error = _try(timed)
     entry = {"batch": batch, "budget_bytes": int(budget), **setting, "epoch_seconds": epochs,
              "img_per_s": rate, "error": error}
+    if callback.accumulation is not None:
+        entry["accumulation"] = callback.accumulation.to_json()
+    elif callback.accumulation_refused:
+        entry["accumulation_refused"] = callback.accumulation_refused
+    entry["jit_compile"] = bool(model.jit_compile)
     if callback.memory_plan is not None:
         plan = callback.memory_plan
         entry.update(swaps=len(plan.plan.swaps), recomputes=len(plan.plan.recomputes),

@@ -19,17 +19,18 @@ BATCH = 64
 
 
 def small_cnn() -> keras.Model:
+    """Convolutions with batch normalization, whose statistics need the whole batch: the step
+    is planned with swaps and recomputations (a model without it would train in micro-batches
+    of the whole step instead, `callback.accumulation`)."""
     layers = keras.layers
+
+    def conv_bn_relu(filters):
+        return [layers.Conv2D(filters, 3, padding="same", use_bias=False),
+                layers.BatchNormalization(), layers.ReLU()]
     return keras.Sequential([
-        keras.Input((32, 32, 3)),
-        layers.Conv2D(32, 3, padding="same", activation="relu"),
-        layers.Conv2D(32, 3, padding="same", activation="relu"),
-        layers.MaxPooling2D(),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.MaxPooling2D(),
-        layers.Conv2D(64, 3, padding="same", activation="relu"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(10),
+        keras.Input((32, 32, 3)), *conv_bn_relu(32), *conv_bn_relu(32), layers.MaxPooling2D(),
+        *conv_bn_relu(64), layers.MaxPooling2D(), *conv_bn_relu(64),
+        layers.GlobalAveragePooling2D(), layers.Dense(10),
     ])
 
 
@@ -40,7 +41,7 @@ def main(png: str) -> tf_ucudnn.MicroBatchCallback:
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     unplanned = analyze(keras_training_step(model, BATCH))
     needed = unplanned.peak_bytes + unplanned.persistent_bytes
-    budget = int(needed * 0.6)
+    budget = int(needed * 0.75)
     print(f"the training step needs {needed / 2**20:.1f} MiB; the budget is "
           f"{budget / 2**20:.1f} MiB")
 

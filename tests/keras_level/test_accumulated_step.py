@@ -14,6 +14,7 @@ from tf_ucudnn.keras.accumulated_step import (
     micro_batch_count,
     plan_accumulation,
     smaller_after_measuring,
+    smaller_after_running_out,
 )
 
 pytestmark = pytest.mark.usefixtures("no_tf32")
@@ -180,3 +181,11 @@ def test_a_measured_peak_over_the_budget_asks_for_smaller_micro_batches():
     one = AccumulationPlan(batch=4, micro_batch_size=1, budget_bytes=10, predicted_peak_bytes=9)
     with pytest.raises(AccumulationError, match="one sample"):
         smaller_after_measuring(one, 11)
+
+
+def test_running_out_of_memory_halves_the_micro_batch():
+    plan = AccumulationPlan(batch=512, micro_batch_size=128, budget_bytes=1000,
+                            predicted_peak_bytes=900)
+    assert smaller_after_running_out(plan, "out of memory: 14.69GiB") == 64
+    assert plan.passed_over == ["micro-batches of 128: out of memory: 14.69GiB"]
+    assert plan.micro_batches == 8

@@ -5,6 +5,7 @@ trains to the weights of the whole batch."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.keras.accumulated_step import AccumulationError, AccumulationPlan
@@ -117,3 +118,32 @@ def test_a_budget_even_one_sample_misses_stops_training_with_the_reason():
     with pytest.raises(AccumulationError, match="even one sample at a time"):
         fit(per_sample_model, [callback], jit_compile=False, epochs=1)
     assert "train_step" not in vars(callback.model)  # the model's own step is back
+
+
+def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
+    import tf_ucudnn.keras.callback as callback_module
+
+    own = callback_module.accumulated_train_step
+
+    def running_out_above_four(model, size):
+        step = own(model, size)
+
+        def train_step(data):
+            # In Keras's own step only (which XLA would compile and run), not in a trace that
+            # notes the layers' shapes.
+            keras_step = "one_step_on_data" in tf.compat.v1.get_default_graph().name
+            if size > 4 and keras_step:
+                raise tf.errors.ResourceExhaustedError(None, None, f"out of memory at {size}")
+            return step(data)
+        return train_step
+    plain, plain_history = fit(per_sample_model, [], jit_compile=False)
+    budget = int(whole_batch_peak(False) * 0.75)
+    monkeypatch.setattr(callback_module, "accumulated_train_step", running_out_above_four)
+    callback = MicroBatchCallback(None, memory_budget=budget, verbose=0)
+    planned, history = fit(per_sample_model, [callback], jit_compile=False)
+    plan = callback.accumulation
+    assert plan.micro_batch_size == 4
+    assert plan.passed_over[-1].startswith("micro-batches of 8: out of memory at 8")
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -44,6 +44,24 @@ def test_recomputed_step_gives_the_same_loss_and_gradients():
     assert_same_step(step, recomputed, rtol=1e-5, atol=1e-7)
 
 
+def test_behind_barriers_the_step_compiled_by_xla_gives_the_same_loss_and_gradients():
+    step = _training_step()
+    recomputes = _relu_recomputes(step.graph)
+    graph_def = insert_recomputes(step.graph.as_graph_def(), recomputes, step.graph,
+                                  barriers=True)
+    nodes = {node.name: node for node in graph_def.node}
+    for recompute in recomputes:
+        clone = nodes[f"{recompute.producer}/ucudnn_recompute"]
+        barrier = nodes[clone.input[0].partition(":")[0]]
+        # The clone reads its input through the barrier, which also takes the trigger's output,
+        # and no control edge is left for XLA to drop.
+        assert barrier.op == "XlaOptimizationBarrier" and not any(
+            text.startswith("^") for text in clone.input)
+        assert list(barrier.input) == [*nodes[recompute.producer].input, recompute.trigger]
+    assert_same_step(step, recompute_function(step, recomputes, jit_compile=True),
+                     rtol=1e-5, atol=1e-6)
+
+
 def test_clones_read_the_same_inputs_and_feed_the_backward_consumers():
     step = _training_step()
     recomputes = _relu_recomputes(step.graph)

@@ -26,8 +26,9 @@ def inline_function_calls(function):
     return callable_over(graph_def, function)
 
 
-def callable_over(graph_def: graph_pb2.GraphDef, function):
-    """A tf.function running `graph_def`, whose placeholders are `function`'s inputs."""
+def callable_over(graph_def: graph_pb2.GraphDef, function, jit_compile: bool = False):
+    """A tf.function running `graph_def`, whose placeholders are `function`'s inputs; compiled
+    by XLA with `jit_compile`."""
     captures = dict(zip([t.name for t in function.graph.internal_captures],
                         function.captured_inputs))
     inputs = [t.name for t in function.inputs if t.name not in captures]
@@ -39,7 +40,18 @@ def callable_over(graph_def: graph_pb2.GraphDef, function):
         if not context.context().has_function(definition.signature.name):
             context.context().add_function_def(definition)
 
-    @tf.function(input_signature=specs, autograph=False)
+    if jit_compile:
+        # XLA compiles every node of the function, and has no kernel for a placeholder, which
+        # the import brings along though its readers are mapped to the inputs: a NoOp in its
+        # place keeps the name the mapping refers to.
+        mapped = {name.partition(":")[0] for name in (*inputs, *captures)}
+        graph_def = graph_pb2.GraphDef.FromString(graph_def.SerializeToString())
+        for node in graph_def.node:
+            if node.name in mapped and node.op == "Placeholder":
+                node.op = "NoOp"
+                node.attr.clear()
+
+    @tf.function(input_signature=specs, autograph=False, jit_compile=jit_compile or None)
     def run(*args):
         input_map = dict(zip(inputs, args))
         graph = tf.compat.v1.get_default_graph()

@@ -121,13 +121,23 @@ def smaller_after_measuring(plan: AccumulationPlan, measured_peak_bytes: int) ->
     plan.measured_peak_bytes = measured_peak_bytes
     if measured_peak_bytes <= plan.budget_bytes:
         return None
-    plan.passed_over.append(f"micro-batches of {plan.micro_batch_size}: measured "
-                            f"{format_bytes(measured_peak_bytes)}")
+    return _smaller(plan, plan.budget_bytes / measured_peak_bytes,
+                    f"measured {format_bytes(measured_peak_bytes)}")
+
+
+def smaller_after_running_out(plan: AccumulationPlan, error: str) -> int:
+    """After a step ran out of memory (`error`, the message's first line): half the micro-batch
+    size, or the next that divides the batch. AccumulationError if no smaller size is left."""
+    return _smaller(plan, 0.5, error)
+
+
+def _smaller(plan: AccumulationPlan, scale: float, why: str) -> int:
+    plan.passed_over.append(f"micro-batches of {plan.micro_batch_size}: {why}")
     if plan.micro_batch_size == 1:
-        raise AccumulationError(f"one sample at a time measured {format_bytes(measured_peak_bytes)}"
-                                f", over the budget of {format_bytes(plan.budget_bytes)}")
-    target = int(plan.micro_batch_size * plan.budget_bytes / measured_peak_bytes)
-    size = plan.batch // micro_batch_count(plan.batch, max(min(target, plan.micro_batch_size - 1), 1))
+        raise AccumulationError(f"one sample at a time: {why}, over the budget of "
+                                f"{format_bytes(plan.budget_bytes)}")
+    target = min(int(plan.micro_batch_size * scale), plan.micro_batch_size - 1)
+    size = plan.batch // micro_batch_count(plan.batch, max(target, 1))
     plan.micro_batch_size, plan.measured_peak_bytes = size, None
     return size
 

@@ -39,6 +39,7 @@ from tf_ucudnn.keras.accumulated_step import (
     accumulation_refusal,
     plan_accumulation,
     smaller_after_measuring,
+    smaller_after_running_out,
 )
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
@@ -353,9 +354,22 @@ class MicroBatchCallback(keras.callbacks.Callback):
         """Trains the first batch in micro-batches; on a GPU its measured peak may ask for
         smaller ones (XLA's buffers are not the analysis's), and the step is made again."""
         gpus = tf.config.list_logical_devices("GPU")
-        if gpus:
-            tf.config.experimental.reset_memory_stats(gpus[0].name)
-        logs = self.model.train_function([data])  # Keras takes any iterable of batches
+        while True:
+            if gpus:
+                tf.config.experimental.reset_memory_stats(gpus[0].name)
+            try:
+                logs = self.model.train_function([data])  # Keras takes any iterable of batches
+                break
+            except tf.errors.ResourceExhaustedError as error:
+                # XLA takes its buffers in one allocation before it runs anything: nothing
+                # trained, and half the micro-batch is tried.
+                smaller = smaller_after_running_out(self.accumulation,
+                                                    str(error).strip().splitlines()[0])
+                if self.verbose:
+                    print(f"{self.accumulation.passed_over[-1]}; micro-batches of {smaller}",
+                          flush=True)
+                self._accumulate(smaller)
+                self._retrace()
         if gpus:
             measured = tf.config.experimental.get_memory_info(gpus[0].name)["peak"]
             smaller = smaller_after_measuring(self.accumulation, measured)

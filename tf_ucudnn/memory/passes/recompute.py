@@ -16,6 +16,7 @@ proposes chains that start from kept tensors or variables.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -59,9 +60,15 @@ def recomputable(op: tf.Operation) -> Optional[str]:
 
 
 def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recompute],
-                      graph: Optional[tf.Graph] = None) -> graph_pb2.GraphDef:
+                      graph: Optional[tf.Graph] = None,
+                      barriers: bool = False) -> graph_pb2.GraphDef:
     """A copy of `graph_def` (its main graph) with the recomputations made. `graph`, the graph
     `graph_def` came from, tells which ops are stateful (else the GraphDef is imported).
+
+    With `barriers`, for a step XLA compiles, which keeps no control edges and merges an op
+    with its clone of the same inputs: each chain reads its inputs through one
+    XlaOptimizationBarrier together with the trigger's first output, so that XLA can neither
+    run the chain before the trigger nor see that its inputs are the original's.
 
     They are made in the order given, which must be the order they run in: a recomputed tensor
     whose producer an earlier chain made again on its way is not made again, and a later chain
@@ -83,6 +90,7 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
         # for that one's trigger, which may come after this one's readers, closing a cycle.
         # Only recomputed tensors are shared, with the recomputations after them in order.
         clones: dict[str, str] = {}  # original op -> its clone
+        outside: list = []  # with barriers: the clones, whose inputs from outside it routes
         for name in (*recompute.chain, recompute.producer):
             if name == recompute.producer and name in made:
                 clones[name] = made[name]  # made on an earlier recomputation's way
@@ -105,18 +113,60 @@ def insert_recomputes(graph_def: graph_pb2.GraphDef, recomputes: Sequence[Recomp
                     clone.input[i] = ("^" if text.startswith("^") else "") + \
                         clones.get(source, remade) + (f":{index}" if index else "")
                     reads_a_clone |= source in clones
-            if recompute.trigger is not None and not reads_a_clone:
+            if recompute.trigger is not None and not reads_a_clone and not barriers:
                 clone.input.append(f"^{recompute.trigger}")  # the chain starts no earlier
                 protect(nodes[recompute.trigger])
             protect(clone)
             clones[name] = clone.name
+            if barriers:
+                outside.append(clone)
             if name in producers:
                 made.setdefault(name, clone.name)
+        if outside and recompute.trigger is not None:
+            _route_through_barrier(result, outside, set(clones.values()), recompute, graph,
+                                   taken, nodes)
         index = recompute.output_index
         producer_clone = clones[recompute.producer]
         rewire(nodes, recompute, producer_clone if index == 0 else f"{producer_clone}:{index}",
                RecomputeError)
     return result
+
+
+def _route_through_barrier(result: graph_pb2.GraphDef, clones: list, made: set,
+                           recompute: Recompute, graph: tf.Graph, taken: set, nodes: dict) -> None:
+    """Has the chain's clones read their inputs from outside the chain through one
+    XlaOptimizationBarrier that also takes the trigger's first output."""
+    importlib.import_module("tensorflow.compiler.tf2xla.ops.gen_xla_ops")  # registers the op
+    trigger = graph.get_operation_by_name(recompute.trigger)
+    if not trigger.outputs:
+        raise RecomputeError(f"{recompute.tensor}: the trigger {recompute.trigger} has no output "
+                             "for XLA to order the recomputation after")
+    def tensor(text):
+        return graph.get_tensor_by_name(text if ":" in text else f"{text}:0")
+
+    # The inputs from outside, once each; not integers (shapes, paddings, axes), which XLA
+    # must see as constants, and which the original could not share anyway.
+    reads: list[str] = []
+    for clone in clones:
+        for text in clone.input:
+            source = text.partition(":")[0]
+            if not text.startswith("^") and source not in made and text not in reads and \
+                    not tensor(text).dtype.is_integer:
+                reads.append(text)
+    barrier = result.node.add()
+    barrier.name = unique_name(f"{recompute.producer}{CLONE}_barrier", taken)
+    barrier.op = "XlaOptimizationBarrier"
+    barrier.input.extend([*reads, recompute.trigger])
+    types = [tensor(text).dtype.as_datatype_enum for text in reads] + \
+        [trigger.outputs[0].dtype.as_datatype_enum]
+    barrier.attr["T"].list.type.extend(types)
+    if nodes[recompute.trigger].device:
+        barrier.device = nodes[recompute.trigger].device
+    protect(barrier)
+    for clone in clones:
+        for i, text in enumerate(clone.input):
+            if text in reads:
+                clone.input[i] = f"{barrier.name}:{reads.index(text)}"
 
 
 def unique_name(name: str, taken: set) -> str:
@@ -129,7 +179,9 @@ def unique_name(name: str, taken: set) -> str:
     return candidate
 
 
-def recompute_function(function, recomputes: Sequence[Recompute]):
-    """A ConcreteFunction with the recomputations made, as a tf.function over the same inputs."""
-    graph_def = insert_recomputes(function.graph.as_graph_def(), recomputes, function.graph)
-    return callable_over(graph_def, function)
+def recompute_function(function, recomputes: Sequence[Recompute], jit_compile: bool = False):
+    """A ConcreteFunction with the recomputations made, as a tf.function over the same inputs;
+    with `jit_compile`, compiled by XLA with the recomputations behind barriers."""
+    graph_def = insert_recomputes(function.graph.as_graph_def(), recomputes, function.graph,
+                                  barriers=jit_compile)
+    return callable_over(graph_def, function, jit_compile=jit_compile)
