@@ -20,6 +20,7 @@ from tf_ucudnn.graph.functions import inline_function_calls, is_concrete_functio
 from tf_ucudnn.graph.rewrite import apply_graph_pass, rewrite_convolutions
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
+from tf_ucudnn.memory.search.workspace_choice import plan_step_with_workspaces
 from tf_ucudnn.options import Options
 from tf_ucudnn.parallel.spatial_split import split_graph_def
 from tf_ucudnn.report import RewriteReport
@@ -74,6 +75,8 @@ def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None,
         elif chosen is not None:
             rewritten, report = rewrite_convolutions(target, chosen,
                                                      inline_functions=inline_functions)
+        fronts = (kernel_fronts(chosen, report)
+                  if options.memory_budget is not None and chosen is not None else {})
     if not report.layers and not report.spatial:
         # Nothing rewritten: the step goes on as given, its tensors keeping their names.
         rewritten = (inline_function_calls(target)
@@ -82,8 +85,30 @@ def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None,
         return rewritten, report
     step = rewritten.get_concrete_function() if hasattr(rewritten, "get_concrete_function") \
         else rewritten
-    planned, report.memory_prefix = plan_step_with_prefix(
-        step, options.memory_budget, device_model or DeviceModel.measure(), step_ms=step_ms,
-        micro_batches=options.micro_batches)
+    device_model = device_model or DeviceModel.measure()
+    if fronts:
+        planned, report.memory_prefix, report.memory_workspaces = plan_step_with_workspaces(
+            step, fronts, options.memory_budget, device_model, step_ms=step_ms,
+            micro_batches=options.micro_batches)
+    else:
+        planned, report.memory_prefix = plan_step_with_prefix(
+            step, options.memory_budget, device_model, step_ms=step_ms,
+            micro_batches=options.micro_batches)
     report.memory = report.memory_prefix.plan
     return planned, report
+
+
+def kernel_fronts(planner: LayerPlanner, report: RewriteReport) -> dict:
+    """Each planned kernel's node (in the main graph) with its Pareto front of plans, where the
+    planner gives them (`workspace_front`), for choosing workspaces with the step's memory."""
+    front_of = getattr(planner, "workspace_front", None)
+    if front_of is None:
+        return {}
+    fronts = {}
+    for layer in report.layers:
+        if layer.scope:
+            continue  # in a library function, which the memory plan does not see into
+        front = front_of(layer.layer)
+        fronts.update({node: front[kernel] for kernel, node in layer.nodes.items()
+                       if kernel in front})
+    return fronts

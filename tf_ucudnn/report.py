@@ -35,10 +35,15 @@ class RewriteReport:
     layers: list = dataclasses.field(default_factory=list)
     left_alone: list = dataclasses.field(default_factory=list)
     spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
-    memory: Optional[object] = None  # a tf_ucudnn.memory.search.step_plan.MemoryPlan, when one was made
-    # With it, a tf_ucudnn.memory.search.step_plan.PrefixStepPlan: the ops run in micro-batches, if any,
-    # and the choices passed over.
+    # The memory plan, when one was made: a tf_ucudnn.memory.search.step_plan.MemoryPlan, or
+    # from the callback, a tf_ucudnn.keras.accumulated_step.AccumulationPlan.
+    memory: Optional[object] = None
+    # With a MemoryPlan, a tf_ucudnn.memory.search.step_plan.PrefixStepPlan: the ops run in
+    # micro-batches, if any, and the choices passed over.
     memory_prefix: Optional[object] = None
+    # A tf_ucudnn.memory.search.workspace_choice.WorkspacePlan: the planned kernels given less
+    # workspace than their plan above for the memory budget (the graph runs those).
+    memory_workspaces: Optional[object] = None
     # A tf_ucudnn.keras.callback.StepTrial: the training step timed with the plans and without.
     trial: Optional[object] = None
 
@@ -48,6 +53,8 @@ class RewriteReport:
                 "spatial": [item.to_json() for item in self.spatial],
                 "memory": self.memory.to_json() if self.memory else None,
                 "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
+                "memory_workspaces": (self.memory_workspaces.to_json()
+                                      if self.memory_workspaces else None),
                 "trial": self.trial.to_json() if self.trial else None}
 
     def to_text(self) -> str:
@@ -67,6 +74,8 @@ class RewriteReport:
             lines.append(self.memory.to_text())
         if self.memory_prefix and self.memory_prefix.cut:
             lines.append(self.memory_prefix.to_text())
+        if self.memory_workspaces:
+            lines.append(self.memory_workspaces.to_text())
         if self.trial:
             lines.append(self.trial.to_text())
         return "\n".join(lines)

@@ -131,3 +131,21 @@ def test_compared_with_xla_a_layer_is_planned_only_where_its_plan_is_predicted_f
                                       xla_margin=-1.0)(conv2), str)
     assert DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True,
                            xla_margin=-1.1)(conv2) == alone(conv2)
+
+
+def test_each_kernels_front_runs_from_least_workspace_to_the_plan_chosen(database,
+                                                                        alexnet_layers):
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100)
+    conv2 = alexnet_layers[1]
+    fronts = planner.workspace_front(conv2)
+    assert set(fronts) == set(KERNELS)
+    chosen = planner(conv2)
+    for kernel, front in fronts.items():
+        workspaces = [c.workspace_bytes for c in front]
+        times = [c.time_ms for c in front]
+        assert workspaces == sorted(workspaces) and workspaces[-1] <= 64 * MIB
+        assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+        assert front[-1].plan == chosen.kernel(kernel)  # the fastest within the limit
+    assert len(fronts["fwd"]) > 1  # there is workspace to give up
+    assert DatabasePlanner(database, 64 * MIB, machine=Machine("Some GPU", 90000)
+                           ).workspace_front(conv2) == {}

@@ -221,6 +221,19 @@ class DatabasePlanner:
                         f"{self.xla_margin:.0%})")
         return plan
 
+    def workspace_front(self, layer: ConvLayer) -> dict:
+        """Each kernel's Pareto front of plans within the workspace limit (workspace
+        ascending, time descending), for choosing its workspace with the step's memory; empty
+        where the database cannot tell."""
+        tables = self._timings(layer)
+        if isinstance(tables, str):
+            return {}
+        try:
+            return {kernel: self._front(kernel, tables[kernel], layer.batch_size)
+                    for kernel in KERNELS}
+        except NoFeasiblePlanError:
+            return {}
+
     def predict(self, layer: ConvLayer, plan: Union[LayerPlan, str, None] = None
                 ) -> LayerPrediction:
         """The layer's predicted time as XLA's convolution and, if given, as `plan`."""

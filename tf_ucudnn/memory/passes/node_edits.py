@@ -1,10 +1,12 @@
-"""NodeDef edits the micro-batched prefix makes: copies of nodes, inputs read and written as text,
-shape constants and plans resized to a micro-batch."""
+"""NodeDef edits the memory passes make: copies of nodes, inputs read and written as text, shape
+constants and plans resized to a micro-batch, a kernel's plan replaced."""
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+
+from tf_ucudnn.core.plan import WORKSPACE_ATTR, KernelPlan
 
 # The operand of these that is a shape whose first dimension is the output's.
 SHAPE_OPERANDS = {"AvgPoolGrad": 0, "AvgPool3DGrad": 0, "Conv2DBackpropInput": 0,
@@ -51,6 +53,15 @@ def fit_plan(node, size: int) -> None:
         del algorithms[len(kept):]
     if "plan_batch_size" in node.attr and node.attr["plan_batch_size"].i >= 0:
         node.attr["plan_batch_size"].i = size  # the plans are for micro-batches of `size` now
+
+
+def set_kernel_plan(node, plan: KernelPlan, workspace_bytes: int) -> None:
+    """A planned convolution node's own kernel runs `plan`, whose workspace the node then
+    carries for the liveness analysis."""
+    attrs = plan.attrs()
+    node.attr["micro_batches"].list.i[:] = attrs["micro_batches"]
+    node.attr["algorithms"].list.s[:] = [a.encode() for a in attrs["algorithms"]]
+    node.attr[WORKSPACE_ATTR].i = workspace_bytes
 
 
 def parse_input(text: str) -> tuple[bool, str, int]:
