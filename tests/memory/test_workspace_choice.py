@@ -5,7 +5,14 @@ import pytest
 from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
-from tf_ucudnn.core.plan import KERNELS, WORKSPACE_ATTR, Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.core.plan import (
+    KERNELS,
+    WORKSPACE_ATTR,
+    Algorithm,
+    KernelPlan,
+    LayerPlan,
+    MicroBatch,
+)
 from tf_ucudnn.memory.cost.simulator import Prediction
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.workspace_choice import StepOutcome, choose_workspaces

@@ -194,6 +194,12 @@ class LayerPlan:
         return {FORWARD: self.forward, BACKPROP_INPUT: self.backprop_input,
                 BACKPROP_FILTER: self.backprop_filter}[name]
 
+    def with_kernel(self, name: str, plan: KernelPlan) -> "LayerPlan":
+        """This plan with kernel `name`'s replaced by `plan`."""
+        field = {FORWARD: "forward", BACKPROP_INPUT: "backprop_input",
+                 BACKPROP_FILTER: "backprop_filter"}[name]
+        return dataclasses.replace(self, **{field: plan})
+
     def to_json(self) -> dict:
         return {name: self.kernel(name).to_json() for name in KERNELS}
 

@@ -142,6 +142,36 @@ def _smaller(plan: AccumulationPlan, scale: float, why: str) -> int:
     return size
 
 
+def train_first_batch(plan: AccumulationPlan, data, train: Callable, smaller: Callable[[int], None],
+                      verbose: int = 0):
+    """Trains the first batch (`train([data])`) with the plan's micro-batches. Out of memory
+    (XLA takes its buffers in one allocation before it runs anything, so nothing trained), the
+    micro-batch is halved (`smaller(size)` makes the step again) and the batch trained again.
+    On a GPU, a measured peak over the budget then scales the micro-batch down for the steps
+    after it: the analysis is of TensorFlow's graph, not of XLA's buffers."""
+    gpus = tf.config.list_logical_devices("GPU")
+    while True:
+        if gpus:
+            tf.config.experimental.reset_memory_stats(gpus[0].name)
+        try:
+            logs = train([data])
+            break
+        except tf.errors.ResourceExhaustedError as error:
+            size = smaller_after_running_out(plan, str(error).strip().splitlines()[0])
+            if verbose:
+                print(f"{plan.passed_over[-1]}; micro-batches of {size}", flush=True)
+            smaller(size)
+    if gpus:
+        size = smaller_after_measuring(
+            plan, tf.config.experimental.get_memory_info(gpus[0].name)["peak"])
+        if size is not None:
+            if verbose:
+                print(f"{plan.passed_over[-1]}: over the budget; micro-batches of {size} from "
+                      "now on", flush=True)
+            smaller(size)
+    return logs
+
+
 def accumulated_train_step(model: tf.keras.Model, micro_batch_size: int):
     """`model`'s own train_step, run over micro-batches of at most `micro_batch_size` samples in
     one loop, with the optimizer's update made once from the summed gradients."""

@@ -38,13 +38,16 @@ from tf_ucudnn.keras.accumulated_step import (
     accumulated_train_step,
     accumulation_refusal,
     plan_accumulation,
-    smaller_after_measuring,
-    smaller_after_running_out,
+    train_first_batch,
 )
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
 from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
-from tf_ucudnn.keras.planned_step import KerasStepPlan, plan_keras_step
+from tf_ucudnn.keras.planned_step import (
+    KerasStepPlan,
+    plan_keras_step,
+    plan_keras_step_with_workspaces,
+)
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.kernels import ops
 from tf_ucudnn.memory import DeviceModel
@@ -67,6 +70,10 @@ class _PatchedLayer:
     traced_shape: Optional[tuple] = None  # the input's static shape where a trace knew it
     conv_layer: Optional[ConvLayer] = None
     plan: Optional[LayerPlan] = None
+    # Under a memory budget: each kernel's Pareto front of plans, and the names of the forward
+    # ops traced with the plan (to tell which layer an op at the peak is).
+    fronts: dict = dataclasses.field(default_factory=dict)
+    forward_ops: set = dataclasses.field(default_factory=set)
 
 
 def _convolution_layers(model: keras.Model):
@@ -289,6 +296,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     report.left_alone.append(LeftAlone(patched.layer.path, "", plan))
                     continue
                 patched.plan = plan
+                front_of = getattr(planner, "workspace_front", None)
+                if self.options.memory_budget is not None and front_of is not None:
+                    patched.fronts = front_of(patched.conv_layer)
                 report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
         for patched in self._patched:
             self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
@@ -351,34 +361,14 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.model.__dict__["train_step"] = accumulated_train_step(self.model, micro_batch_size)
 
     def _first_accumulated_step(self, data):
-        """Trains the first batch in micro-batches; on a GPU its measured peak may ask for
-        smaller ones (XLA's buffers are not the analysis's), and the step is made again."""
-        gpus = tf.config.list_logical_devices("GPU")
-        while True:
-            if gpus:
-                tf.config.experimental.reset_memory_stats(gpus[0].name)
-            try:
-                logs = self.model.train_function([data])  # Keras takes any iterable of batches
-                break
-            except tf.errors.ResourceExhaustedError as error:
-                # XLA takes its buffers in one allocation before it runs anything: nothing
-                # trained, and half the micro-batch is tried.
-                smaller = smaller_after_running_out(self.accumulation,
-                                                    str(error).strip().splitlines()[0])
-                if self.verbose:
-                    print(f"{self.accumulation.passed_over[-1]}; micro-batches of {smaller}",
-                          flush=True)
-                self._accumulate(smaller)
-                self._retrace()
-        if gpus:
-            measured = tf.config.experimental.get_memory_info(gpus[0].name)["peak"]
-            smaller = smaller_after_measuring(self.accumulation, measured)
-            if smaller is not None:
-                if self.verbose:
-                    print(self.accumulation.passed_over[-1] + ": over the budget; micro-batches "
-                          f"of {smaller} from now on", flush=True)
-                self._accumulate(smaller)
-                self._retrace()
+        """Trains the first batch in micro-batches, smaller ones if a GPU says so."""
+        def train(batches):
+            return self.model.train_function(batches)  # Keras takes any iterable of batches
+
+        def smaller(size: int) -> None:
+            self._accumulate(size)
+            self._retrace()
+        logs = train_first_batch(self.accumulation, data, train, smaller, self.verbose)
         self._guard_train_function()
         return logs
 
@@ -387,17 +377,30 @@ class MicroBatchCallback(keras.callbacks.Callback):
         function, and returns what trains one batch with it."""
         batch = tf.nest.flatten(specs)[0].shape[0]
         own_step = tf.function(self.model.train_step)
+        device_model = self._device_model or DeviceModel.measure()
 
-        def trace(layer, count):
-            if layer is None:
-                return own_step.get_concrete_function(specs)
-            with micro_batched_calls(self.model, layer, count):
+        def trace(layer, count):  # traced afresh: the layers' plans may have changed
+            with micro_batched_calls(self.model, layer, count) if layer else \
+                    contextlib.nullcontext():
                 return tf.function(self.model.train_step).get_concrete_function(specs)
 
-        step, self.memory_plan = plan_keras_step(
-            self.model, batch, self.options.memory_budget,
-            self._device_model or DeviceModel.measure(), micro_batches=self.options.micro_batches,
-            trace=trace, whole_batches=self.whole_batches)
+        def plan_step():
+            return plan_keras_step(self.model, batch, self.options.memory_budget, device_model,
+                                   micro_batches=self.options.micro_batches, trace=trace,
+                                   whole_batches=self.whole_batches)
+
+        planned = {p.layer.path: p for p in self._patched if p.plan and p.fronts}
+        if planned:  # the kernels' workspaces chosen with the memory plan
+            (step, self.memory_plan), self.report.memory_workspaces = \
+                plan_keras_step_with_workspaces(
+                    plan_step, {f"{path}|{kernel}": front for path, p in planned.items()
+                                for kernel, front in p.fronts.items()},
+                    lambda choice: self._set_kernel_plans(planned, choice),
+                    lambda: trace(None, 1),
+                    lambda op: next((path for path, p in planned.items()
+                                     if op in p.forward_ops), None))
+        else:
+            step, self.memory_plan = plan_step()
         self.report.memory = self.memory_plan.plan
         if self.verbose:
             print(self.report.memory.to_text(), flush=True)
@@ -417,6 +420,14 @@ class MicroBatchCallback(keras.callbacks.Callback):
             return train_one(next_data.get_value())
         self.model.train_function = train_function
         return train_one
+
+    def _set_kernel_plans(self, planned: dict, choice: dict) -> None:
+        """Each "layer|kernel" of `choice` planned with its configuration's plan."""
+        for key, configuration in choice.items():
+            path, kernel = key.split("|")
+            patched = planned[path]
+            patched.plan = patched.plan.with_kernel(kernel, configuration.plan)
+            self._switch(patched.layer, self._planned_op(patched))
 
     def summary(self) -> str:
         if self.report is None:
@@ -473,9 +484,12 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 return own_op(inputs, kernel)
             # Traced with the batch unknown, the op itself runs another batch size undivided:
             # XLA would compile both branches of a tf.cond, the plan's at the wrong batch too.
-            return conv(inputs, kernel, strides=list(layer.strides), padding=layer.padding,
-                        data_format=layer.data_format, dilations=list(layer.dilations),
-                        plan=plan, plan_batch_size=layer.batch_size)
+            output = conv(inputs, kernel, strides=list(layer.strides), padding=layer.padding,
+                          data_format=layer.data_format, dilations=list(layer.dilations),
+                          plan=plan, plan_batch_size=layer.batch_size)
+            if not tf.executing_eagerly():
+                patched.forward_ops.add(output.op.name)
+            return output
         return convolution_op
 
     def _retrace(self) -> None:

@@ -12,15 +12,19 @@ from typing import Callable, Iterable, Optional, Union
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
+from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.microbatched_prefix import cut, microbatched_model_call
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
+from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import (
     MemoryPlan,
     apply_memory_plan,
     plan_with_micro_batches,
 )
+from tf_ucudnn.memory.search.workspace_choice import StepOutcome, choose_workspaces
 
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
@@ -132,3 +136,59 @@ def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]]):
             continue
         yield name, None
 
+
+
+_KERNEL_OF_OP = {f"UcudnnConv{rank}D{suffix}": kernel for rank in (2, 3) for suffix, kernel in
+                 (("", FORWARD), ("BackpropInput", BACKPROP_INPUT),
+                  ("BackpropFilter", BACKPROP_FILTER))}
+
+
+def planned_kernel(graph: tf.Graph, op_name: str, layer_of: Callable[[str], Optional[str]]
+                   ) -> Optional[str]:
+    """"layer|kernel" for a planned convolution op of a traced step (`layer_of` names the
+    layer of a forward op), else None. A gradient op is its forward op's: the input gradient
+    reads the same filters, the filter gradient the same input (and has the filters' shape)."""
+    op = graph.get_operation_by_name(op_name) if op_name else None
+    kernel = _KERNEL_OF_OP.get(op.type) if op is not None else None
+    if kernel is None:
+        return None
+    forwards = [op]
+    if kernel == BACKPROP_INPUT:
+        forwards = [c for c in op.inputs[1].consumers() if _KERNEL_OF_OP.get(c.type) == FORWARD]
+    elif kernel == BACKPROP_FILTER:
+        forwards = [c for c in op.inputs[0].consumers() if _KERNEL_OF_OP.get(c.type) == FORWARD
+                    and c.inputs[1].shape == op.outputs[0].shape]
+    layers = {layer_of(forward.name) for forward in forwards} - {None}
+    return f"{layers.pop()}|{kernel}" if len(layers) == 1 else None
+
+
+def plan_keras_step_with_workspaces(plan_step: Callable[[], tuple], fronts: dict,
+                                    apply_choice: Callable[[dict], None],
+                                    trace_whole: Callable[[], object],
+                                    layer_of: Callable[[str], Optional[str]]):
+    """`plan_step()` (a `plan_keras_step` call) with the planned kernels' workspaces chosen
+    with the memory (`tf_ucudnn.memory.search.workspace_choice`): `fronts` gives each
+    "layer|kernel" its Pareto front, `apply_choice(choice)` sets those kernels' plans on the
+    model's layers (the next trace runs them), `trace_whole()` traces the step as it is, and
+    `layer_of(op name)` names the layer of a forward op. Returns plan_step's result and the
+    WorkspacePlan; the layers are left with the plans chosen."""
+    def plan_for(choice) -> StepOutcome:
+        apply_choice(choice)
+        # The op at the peak, found in the step as traced whole (a plan's graph has swapped and
+        # recomputed inputs in the way of telling a gradient's layer).
+        whole = trace_whole()
+        try:
+            step, kept = plan_step()
+        except BudgetError as error:
+            return StepOutcome(None, None, planned_kernel(
+                whole.graph, analyze(whole).peak_op, layer_of) or "", error)
+        prediction = kept.plan.decisions.prediction
+        peak = kept.plan.liveness.ops[prediction.peak_op].name
+        found = peak if peak in {op.name for op in whole.graph.get_operations()} else None
+        return StepOutcome((step, kept), prediction.step_ms,
+                           planned_kernel(whole.graph, found, layer_of) or "")
+
+    outcome, workspaces = choose_workspaces(fronts, plan_for)
+    fastest = {key: max(front, key=lambda c: c.workspace_bytes) for key, front in fronts.items()}
+    apply_choice(fastest | {k.node: k.chosen for k in workspaces.lowered})
+    return outcome.result, workspaces

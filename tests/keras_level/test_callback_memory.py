@@ -1,13 +1,15 @@
-"""MicroBatchCallback under a memory budget, for models whose layers treat each sample on its own:
+"""MicroBatchCallback under a memory budget: for models whose layers treat each sample on its own,
 the whole step in micro-batches with the gradients summed, compiled by XLA as the model asks,
-trains to the weights of the whole batch."""
+trains to the weights of the whole batch; on the graph path, the planned kernels' workspaces
+are chosen with the memory plan."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
+from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.keras.accumulated_step import AccumulationError, AccumulationPlan
 from tf_ucudnn.keras.callback import MicroBatchCallback
 
@@ -144,6 +146,46 @@ def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
     plan = callback.accumulation
     assert plan.micro_batch_size == 4
     assert plan.passed_over[-1].startswith("micro-batches of 8: out of memory at 8")
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class FrontPlanner(HalvingPlanner):
+    """Plans each kernel undivided with 64 MiB of workspace, and offers halves with none."""
+
+    BIG = 64 << 20
+
+    def options(self, layer):
+        size = layer.batch_size
+        halves = KernelPlan((MicroBatch(size // 2, Algorithm(0), 0),
+                             MicroBatch(size - size // 2, Algorithm(0), 0)))
+        whole = KernelPlan((MicroBatch(size, Algorithm(1), self.BIG),))
+        return [KernelConfiguration(halves, 1.0, 0), KernelConfiguration(whole, 0.5, self.BIG)]
+
+    def __call__(self, layer):
+        self.batches.append(layer.batch_size)
+        whole = self.options(layer)[1].plan
+        return LayerPlan(whole, whole, whole)
+
+    def workspace_front(self, layer):
+        return {kernel: self.options(layer) for kernel in KERNELS}
+
+
+def test_on_the_graph_path_the_kernels_workspaces_are_chosen_with_the_memory_plan():
+    from training_steps import SLOW_LINK
+
+    plain, plain_history = fit(normalized_model, [], jit_compile=False)
+    callback = MicroBatchCallback(planner=FrontPlanner(), memory_budget=32 << 20,
+                                  device_model=SLOW_LINK, trial_steps=0, verbose=0)
+    planned, history = fit(normalized_model, [callback], jit_compile=False)
+    # The one convolution's three kernels each held 64 MiB: all give it up, nothing else.
+    lowered = callback.report.memory_workspaces.lowered
+    assert sorted(k.node.split("|")[1] for k in lowered) == sorted(KERNELS)
+    assert all(k.chosen.workspace_bytes == 0 for k in lowered)
+    memory = callback.memory_plan.plan
+    assert memory.decisions.prediction.peak_bytes <= 32 << 20
+    assert not memory.swaps and not memory.recomputes
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
