@@ -100,8 +100,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         (`tf_ucudnn.keras.accumulated_step`; `accumulation` holds the plan, else
         `accumulation_refused` says why not). Otherwise the step is traced at the real batch
         size and trained, without XLA, with the swaps and recomputations `tf_ucudnn.rewrite`
-        plans for it; if no such plan fits, the model's first layers run in micro-batches too
-        (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met stops training with a
+        plans for it, the planned kernels' workspaces chosen with them
+        (`report.memory_workspaces`); if no such plan fits, the model's first layers run in
+        micro-batches too (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met stops training with a
         BudgetError or AccumulationError saying by how much.
       accumulate_gradients: False to plan swaps and recomputations under a memory budget even
         where the whole step could run in micro-batches with its gradients summed.
