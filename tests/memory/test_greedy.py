@@ -1,6 +1,7 @@
 """The performance model on small steps worked out by hand (times in ms, sizes in bytes)."""
 
 import dataclasses
+import gc
 
 import pytest
 import tensorflow as tf
@@ -239,6 +240,10 @@ def test_roofline_estimates_of_op_times():
     fast_memory = DeviceModel("test", 1e9, 1e9, memory_bandwidth=1e15, peak_flops=1e9,
                               launch_ms=0.0)
     assert fast_memory.op_ms(by_type["Conv2D"]) == pytest.approx(3888 / 1e9 * 1e3)
+    # All ops at once (each tensor's size asked for once): the same times.
+    for each in (model, fast_memory):
+        operations = graph.get_operations()
+        assert each.ops_ms(operations) == [each.op_ms(op) for op in operations]
 
 
 def test_a_recomputation_may_read_a_tensor_swapped_back_for_it():
@@ -334,12 +339,12 @@ def _restarting_greedy(monkeypatch, plan_at_scaled_times):
 
     calls = []
 
-    def greedy(op_ms, tensors, model, budget_bytes, persistent_bytes, *rest):
-        calls.append(op_ms[0])
-        if op_ms[0] == 1.0:
-            raise BudgetError(budget_bytes, predict(op_ms, tensors, model))
+    def greedy(simulator, budget_bytes, persistent_bytes, *rest):
+        calls.append(simulator.durations_list[0])
+        if simulator.durations_list[0] == 1.0:
+            raise BudgetError(budget_bytes, simulator.predict())
         swaps = (plan_at_scaled_times,)
-        return search.MemoryDecisions(swaps, (), predict(op_ms, tensors, model, swaps))
+        return search.MemoryDecisions(swaps, (), simulator.predict(swaps))
     monkeypatch.setattr(search, "_greedy", greedy)
     return calls
 
@@ -367,3 +372,26 @@ def test_a_restart_s_plan_that_misses_the_budget_at_the_real_op_times_is_not_tak
         plan_memory(op_ms, tensors, LINK, budget_bytes=200)
     assert calls == [1.0, 0.995, 1.005, 0.99, 1.01, 0.98, 1.02]
     assert error.value.shortfall_bytes == 10  # the unscaled run's
+
+
+def test_the_search_pauses_the_cycle_collector_and_leaves_it_as_found():
+    op_ms = [1.0, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0]
+    tensors = [TensorUse("A", 100, 0, (1, 6), (6,)), TensorUse("X", 150, 2, (3,)),
+               TensorUse("Y", 200, 4, (5,))]
+    during = []
+
+    def prefetch_point(tensor, index):
+        during.append(gc.isenabled())
+        return index
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            try:
+                plan_memory(op_ms, tensors, LINK, budget_bytes=240,
+                            prefetch_point=prefetch_point)
+            except BudgetError:
+                pass  # planned all the same
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+    assert during and not any(during)

@@ -25,6 +25,7 @@ import dataclasses
 import os
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
@@ -298,6 +299,16 @@ def _placement(operations):
     return lambda op: _canonical_device(op.device)
 
 
+def _held_at_each_op(tensors: list[TensorUse], count: int) -> list[int]:
+    """The bytes of the tensors held at each of `count` ops: each from its producer to its last
+    reader, summed as changes at those ops (a tensor may live for most of the step)."""
+    change = np.zeros(count + 1, dtype=np.int64)
+    np.add.at(change, [t.producer for t in tensors], [t.bytes for t in tensors])
+    np.add.at(change, [max(t.consumers, default=t.producer) + 1 for t in tensors],
+              [-t.bytes for t in tensors])
+    return np.cumsum(change[:-1]).tolist()
+
+
 def analyze(target) -> LivenessReport:
     """Liveness of a GraphDef, tf.Graph or ConcreteFunction (see the module's docstring)."""
     graph, returned = _graph_of(target)
@@ -339,14 +350,13 @@ def analyze(target) -> LivenessReport:
         readers[buffers[name]].add(last)
 
     device_of = _placement(operations)
-    tensors, live = [], [0] * len(operations)
+    tensors = []
     for name, producer in producers.items():
         consumers = sorted(readers[name])
         backward = tuple(c for c in consumers if is_backward[c] and not is_backward[producer])
         tensors.append(TensorUse(name, sizes[name], producer, tuple(consumers), backward,
                                  device_of(operations[producer])))
-        for i in range(producer, max(consumers, default=producer) + 1):
-            live[i] += sizes[name]
+    live = _held_at_each_op(tensors, len(operations))
     ops = [StepOp(op.name, op.type, is_backward[i], live[i])
            for i, op in enumerate(operations)]
     return LivenessReport(ops=ops, tensors=tensors, persistent_bytes=sum(variables.values()),

@@ -32,7 +32,22 @@ class DeviceModel:
         """A roofline estimate of one op's time: its FLOPs at peak or its bytes at the memory
         bandwidth, whichever is longer, plus a launch; tensors of unknown shape count as none.
         A slice reads only the part it copies."""
-        moved = sum(tensor_bytes(t) or 0 for t in (
+        return self._op_ms(op, tensor_bytes)
+
+    def ops_ms(self, operations) -> list[float]:
+        """`op_ms` of each op, each tensor's size worked out once (most are read by other ops
+        than their producer, and a shape is slow to ask TensorFlow for)."""
+        sizes = {}
+
+        def size(tensor) -> Optional[int]:
+            key = tensor.ref()
+            if key not in sizes:
+                sizes[key] = tensor_bytes(tensor)
+            return sizes[key]
+        return [self._op_ms(op, size) for op in operations]
+
+    def _op_ms(self, op: tf.Operation, size) -> float:
+        moved = sum(size(t) or 0 for t in (
             *(op.outputs if op.type in _SLICES else op.inputs), *op.outputs))
         return self.launch_ms + 1e3 * max(_flops(op) / self.peak_flops,
                                           moved / self.memory_bandwidth)
@@ -102,22 +117,26 @@ def tensor_bytes(tensor) -> Optional[int]:
     return tensor.shape.num_elements() * tensor.dtype.size
 
 
+_MATRIX_PRODUCTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3")
+_CONVOLUTIONS = ("Conv2D", "Conv3D", "UcudnnConv")
+
+
 def _flops(op: tf.Operation) -> float:
     """Multiply-adds x 2 of the matrix and convolution ops, from their static shapes."""
+    if op.type not in _MATRIX_PRODUCTS and not op.type.startswith(_CONVOLUTIONS):
+        return 0.0  # before asking for shapes: most ops are neither
     shapes = [t.shape for t in (*op.inputs, *op.outputs)]
     if not all(shape.is_fully_defined() for shape in shapes):
         return 0.0
-    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3"):
+    if op.type in _MATRIX_PRODUCTS:
         a = op.inputs[0].shape
         k = a[-2] if op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x") else a[-1]
         return 2.0 * op.outputs[0].shape.num_elements() * k
-    if op.type.startswith(("Conv2D", "Conv3D", "UcudnnConv")):
-        # All three kernels of a convolution do the forward's work: for each output element,
-        # one multiply-add per filter element of its output channel.
-        backprop_filter = "BackpropFilter" in op.type
-        outputs = op.inputs[2] if "Backprop" in op.type else op.outputs[0]
-        filters = op.outputs[0] if backprop_filter else op.inputs[1]
-        return 2.0 * outputs.shape.num_elements() * (filters.shape.num_elements()
-                                                     // filters.shape[-1])
-    return 0.0
+    # All three kernels of a convolution do the forward's work: for each output element, one
+    # multiply-add per filter element of its output channel.
+    backprop_filter = "BackpropFilter" in op.type
+    outputs = op.inputs[2] if "Backprop" in op.type else op.outputs[0]
+    filters = op.outputs[0] if backprop_filter else op.inputs[1]
+    return 2.0 * outputs.shape.num_elements() * (filters.shape.num_elements()
+                                                 // filters.shape[-1])
 

@@ -21,6 +21,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,136 +93,232 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
 
     The ops run one after another, as on one stream; tensors on different devices (their
     `device`) count towards their own device's peak, and the highest is the step's. Variables
-    (`persistent_bytes`) count on every device, as each holds the weights it uses."""
-    table = TensorTable.of(tensors)
-    by_name = table.by_name
-    recomputed_before: dict[int, list[RecomputeDecision]] = {}
-    made_with = {}
-    for decision in recomputes:
-        tensor = by_name.get(decision.tensor)
-        if tensor is None or not tensor.backward_consumers:
-            raise ValueError(f"{decision.tensor}: not a tensor kept for the backward pass")
-        if decision.tensor in {swap.tensor for swap in swaps}:
-            raise ValueError(f"{decision.tensor}: both swapped and recomputed")
-        if decision.made_with is None:
-            recomputed_before.setdefault(tensor.backward_consumers[0], []).append(decision)
+    (`persistent_bytes`) count on every device, as each holds the weights it uses. A search
+    predicting many sets of decisions for the same step keeps a StepSimulator instead."""
+    return StepSimulator(op_ms, tensors, model).predict(swaps, persistent_bytes, recomputes)
+
+
+class StepSimulator:
+    """`predict` for one step's ops and tensors, with what does not depend on the decisions made
+    once (the op times as arrays, each op's allocations and frees): a search predicts thousands
+    of sets of decisions for the same step."""
+
+    def __init__(self, op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel):
+        self.model = model
+        self.table = TensorTable.of(tensors)
+        self.durations = np.asarray(op_ms, dtype=float)
+        self.prefix = np.concatenate([[0.0], np.cumsum(self.durations)])
+        self.compute_ms = float(self.durations.sum())
+        self.shortest_ms = float(self.durations.min(initial=np.inf))
+        # The event loop reads a few of these at a time: Python floats are quicker to read, and
+        # their arithmetic is the arrays' (IEEE doubles).
+        self.durations_list = self.durations.tolist()
+        self.prefix_list = self.prefix.tolist()
+        # Per device, the bytes each op allocates (of the tensors it makes) and frees (of those
+        # it reads last), as if every tensor were held from its producer to its last reader.
+        shape = (len(self.table.device_names), len(self.durations))
+        self.allocated, self.freed = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        np.add.at(self.allocated, (self.table.devices, self.table.producers), self.table.sizes)
+        np.add.at(self.freed, (self.table.devices, self.table.lasts), self.table.sizes)
+        # Their running sums, for the peak of each prediction without a pass over the ops.
+        self.op_start_peaks = [OpStartPeaks(allocated, freed)
+                               for allocated, freed in zip(self.allocated, self.freed)]
+        self.prepared: dict[int, tuple] = {}  # id of a tuple of recomputations -> `_prepared`
+
+    def predict(self, swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
+                recomputes: Sequence[RecomputeDecision] = (), check: bool = True) -> Prediction:
+        """As the module's `predict`, for this step. `check=False` skips checking that the
+        decisions can be made (the planner's own, made so): checking takes a tenth of the time
+        of a prediction the search makes thousands of."""
+        if check:
+            self._check(swaps, recomputes)
+        table, by_name, model = self.table, self.table.by_name, self.model
+        made = self._prepared(recomputes)
+        chosen = {swap.tensor: swap for swap in swaps}
+        produced_by: dict[int, list[TensorUse]] = {}
+        prefetched_at: dict[int, list[TensorUse]] = {}
+        waits = dict(made.waits)
+        for name, swap in chosen.items():
+            tensor = by_name[name]
+            produced_by.setdefault(tensor.producer, []).append(tensor)
+            prefetched_at.setdefault(swap.prefetch_after, []).append(tensor)
+            for consumer in tensor.backward_consumers:
+                waits[consumer] = [*waits.get(consumer, ()), name]
+
+        # Only ops that wait, or start or end a transfer, need a look of their own; the others
+        # run back to back, so times are prefix sums shifted by the waits before them.
+        durations, prefix = self.durations_list, self.prefix_list
+        recomputed_before = made.recomputed_before
+        # The shift after each op that waits: the ops from it to the next such op share it.
+        delayed, shifts, recomputed_at = [0], [0.0], []
+        shift = 0.0
+        out_done, in_start, in_done = {}, {}, {}
+        d2h_free = h2d_free = transfer = 0.0
+        for i in sorted({*waits, *recomputed_before, *produced_by, *prefetched_at}):
+            clock = prefix[i] + shift
+            ready = clock
+            for name in waits.get(i, ()):
+                if in_done[name] > ready:
+                    ready = in_done[name]
+            for cost in recomputed_before.get(i, ()):
+                recomputed_at.append(ready)
+                ready += cost
+            if ready != clock:
+                shift += ready - clock
+                delayed.append(i)
+                shifts.append(shift)
+            end_i = ready + durations[i]
+            for tensor in produced_by.get(i, ()):
+                copy = tensor.bytes / model.device_to_host * 1e3
+                out_done[tensor.name] = d2h_free = max(d2h_free, end_i) + copy
+                transfer += copy
+            for tensor in prefetched_at.get(i, ()):
+                copy = tensor.bytes / model.host_to_device * 1e3
+                begin = max(h2d_free, end_i, out_done[tensor.name])
+                in_start[tensor.name], in_done[tensor.name] = begin, begin + copy
+                h2d_free = begin + copy
+                transfer += copy
+        # (The shifts are the running sums of the waits, as np.cumsum would add them.)
+        start = self.prefix[:-1] + np.repeat(shifts, np.diff([*delayed, len(durations)]))
+        end = start + self.durations
+        ordered = OpStartPeaks.in_order(self.shortest_ms, start, end)
+        # A tensor made with another is recomputed when that one is.
+        recomputed_at.extend(recomputed_at[owner] for owner in made.owners)
+
+        # The swapped and recomputed tensors are held in two spans each (and a recomputation's
+        # transient tensor briefly): pieces of their own, in place of their whole lives.
+        swapped_rows = np.array([table.index[name] for name in chosen], dtype=int)
+        moved = np.concatenate([swapped_rows, made.rows])
+        held_until = np.concatenate([  # a swapped tensor also until a recomputation reads it
+            np.maximum(table.lasts[swapped_rows],
+                       np.array([made.due.get(name, -1) for name in chosen], dtype=int)),
+            table.lasts[made.rows]])
+        out_until = end[table.last_forward_uses[moved]]
+        out_until[:len(chosen)] = np.maximum(out_until[:len(chosen)],
+                                             [out_done[name] for name in chosen])
+        back_from = np.array([*(in_start[name] for name in chosen), *recomputed_at],
+                             dtype=float)
+        transient_from = back_from[len(chosen) + made.transient_positions]
+        piece_starts = np.concatenate([start[table.producers[moved]], back_from, transient_from])
+        piece_ends = np.concatenate([out_until, end[held_until],
+                                     transient_from + made.transient_ms])
+        piece_sizes = np.concatenate([table.sizes[moved], table.sizes[moved],
+                                      made.transient_bytes])
+        piece_devices = np.concatenate([table.devices[moved], table.devices[moved],
+                                        table.devices[made.transient_rows]])
+        if len(table.device_names) == 1:
+            (peak, peak_time), peak_device = self._device_peak(
+                0, start, end, ordered, moved, piece_starts, piece_ends, piece_sizes), 0
         else:
-            made_with[decision.tensor] = decision.made_with
-    recomputed = {d.tensor for d in recomputes}
-    for name, owner in made_with.items():
-        maker = by_name.get(owner)
-        if owner in made_with or owner not in recomputed or \
-                maker.backward_consumers[0] > by_name[name].backward_consumers[0]:
-            raise ValueError(f"{name}: made with {owner}, which must be a tensor recomputed on "
-                             "its own, no later than this one is needed")
-    due = due_times(by_name, recomputes)
-    chosen = {}
-    for swap in swaps:
-        tensor = by_name.get(swap.tensor)
-        if tensor is None or not tensor.backward_consumers:
-            raise ValueError(f"{swap.tensor}: not a tensor kept for the backward pass")
-        first_backward = needed_by(tensor, due)
-        if not tensor.last_forward_use <= swap.prefetch_after < first_backward:
-            raise ValueError(f"{swap.tensor}: the prefetch op must come after its last forward "
-                             f"use ({tensor.last_forward_use}) and before its first backward "
-                             f"use ({first_backward}), got {swap.prefetch_after}")
-        chosen[swap.tensor] = swap
+            peak, peak_time, peak_device = max(
+                (*self._device_peak(d, start, end, ordered, moved, *(
+                    pieces[piece_devices == d]
+                    for pieces in (piece_starts, piece_ends, piece_sizes))), d)
+                for d in range(len(table.device_names)))
+        # The op running at the peak or, in a wait or recomputation before an op, that op.
+        running = int(np.searchsorted(end, peak_time, "right")) if ordered else \
+            int(np.argmax(peak_time < end)) if np.any(peak_time < end) else len(durations)
+        peak_op = min(running, len(durations) - 1)
+        copied_out = np.searchsorted(start, np.array([out_done[name] for name in chosen],
+                                                     dtype=float) - 1e-9).tolist()
+        copied_out_before = tuple(
+            (name, min(max(after, by_name[name].last_forward_use + 1),
+                       by_name[name].backward_consumers[0]))
+            for name, after in zip(chosen, copied_out))
+        return Prediction(step_ms=float(end[-1]) if len(end) else 0.0,
+                          compute_ms=self.compute_ms + made.cost_ms,
+                          peak_bytes=peak + persistent_bytes, peak_op=peak_op,
+                          transfer_ms=transfer, copied_out_before=copied_out_before,
+                          peak_device=table.device_names[peak_device])
 
-    produced_by: dict[int, list[TensorUse]] = {}
-    prefetched_at: dict[int, list[TensorUse]] = {}
-    waits: dict[int, list[str]] = {}
-    for name, swap in chosen.items():
-        tensor = by_name[name]
-        produced_by.setdefault(tensor.producer, []).append(tensor)
-        prefetched_at.setdefault(swap.prefetch_after, []).append(tensor)
-        for consumer in tensor.backward_consumers:
-            waits.setdefault(consumer, []).append(name)
-    for decision in recomputes:
-        for read in decision.swapped_reads:
-            if read not in chosen:
-                raise ValueError(f"{decision.tensor}: its recomputation reads {read} back from "
-                                 "the host, but it is not swapped")
-            waits.setdefault(by_name[decision.tensor].backward_consumers[0], []).append(read)
+    def due_times(self, recomputes: Sequence[RecomputeDecision]) -> dict[str, int]:
+        """The module's `due_times` for these recomputations (worked out once per tuple)."""
+        return self._prepared(recomputes).due
 
-    # Only ops that wait, or start or end a transfer, need a look of their own; the others run
-    # back to back, so times are prefix sums shifted by the waits before them.
-    durations = np.asarray(op_ms, dtype=float)
-    prefix = np.concatenate([[0.0], np.cumsum(durations)])
-    delay = np.zeros(len(durations))
-    shift = 0.0
-    out_done, in_start, in_done, recomputed_at = {}, {}, {}, {}
-    d2h_free = h2d_free = transfer = 0.0
-    for i in sorted(set(waits) | set(recomputed_before) | set(produced_by) | set(prefetched_at)):
-        clock = prefix[i] + shift
-        ready = max([clock] + [in_done[name] for name in waits.get(i, ())])
-        for decision in recomputed_before.get(i, ()):
-            recomputed_at[decision.tensor] = ready
-            ready += decision.cost_ms
-        delay[i] = ready - clock
-        shift += delay[i]
-        end_i = ready + durations[i]
-        for tensor in produced_by.get(i, ()):
-            copy = tensor.bytes / model.device_to_host * 1e3
-            out_done[tensor.name] = d2h_free = max(d2h_free, end_i) + copy
-            transfer += copy
-        for tensor in prefetched_at.get(i, ()):
-            copy = tensor.bytes / model.host_to_device * 1e3
-            begin = max(h2d_free, end_i, out_done[tensor.name])
-            in_start[tensor.name], in_done[tensor.name] = begin, begin + copy
-            h2d_free = begin + copy
-            transfer += copy
-    start = prefix[:-1] + np.cumsum(delay)
-    end = start + durations
-    for name, owner in made_with.items():
-        recomputed_at[name] = recomputed_at[owner]
+    def _check(self, swaps: Sequence[SwapDecision], recomputes: Sequence[RecomputeDecision]):
+        """Raises ValueError where the decisions cannot be made together."""
+        by_name = self.table.by_name
+        swapped = {swap.tensor for swap in swaps}
+        made_with = {}
+        for decision in recomputes:
+            tensor = by_name.get(decision.tensor)
+            if tensor is None or not tensor.backward_consumers:
+                raise ValueError(f"{decision.tensor}: not a tensor kept for the backward pass")
+            if decision.tensor in swapped:
+                raise ValueError(f"{decision.tensor}: both swapped and recomputed")
+            if decision.made_with is not None:
+                made_with[decision.tensor] = decision.made_with
+        recomputed = {d.tensor for d in recomputes}
+        for name, owner in made_with.items():
+            maker = by_name.get(owner)
+            if owner in made_with or owner not in recomputed or \
+                    maker.backward_consumers[0] > by_name[name].backward_consumers[0]:
+                raise ValueError(f"{name}: made with {owner}, which must be a tensor recomputed "
+                                 "on its own, no later than this one is needed")
+        due = due_times(by_name, recomputes)
+        for swap in swaps:
+            tensor = by_name.get(swap.tensor)
+            if tensor is None or not tensor.backward_consumers:
+                raise ValueError(f"{swap.tensor}: not a tensor kept for the backward pass")
+            first_backward = needed_by(tensor, due)
+            if not tensor.last_forward_use <= swap.prefetch_after < first_backward:
+                raise ValueError(f"{swap.tensor}: the prefetch op must come after its last "
+                                 f"forward use ({tensor.last_forward_use}) and before its first "
+                                 f"backward use ({first_backward}), got {swap.prefetch_after}")
+        for decision in recomputes:
+            for read in decision.swapped_reads:
+                if read not in swapped:
+                    raise ValueError(f"{decision.tensor}: its recomputation reads {read} back "
+                                     "from the host, but it is not swapped")
 
-    transient = {d.tensor: (d.transient_bytes, d.cost_ms) for d in recomputes
-                 if d.transient_bytes}
-    plain = np.ones(len(tensors), dtype=bool)
-    plain[[table.index[name] for name in (*chosen, *recomputed_at)]] = False
-    pieces, piece_devices = [], []  # (start, end, bytes) of tensors held in two spans, or briefly
-    for tensor in (by_name[name] for name in (*chosen, *recomputed_at)):
-        last = table.lasts[table.index[tensor.name]]
-        if tensor.name in chosen:
-            last = max(last, due.get(tensor.name, last))
-            pieces += [(start[tensor.producer],
-                        max(end[tensor.last_forward_use], out_done[tensor.name]), tensor.bytes),
-                       (in_start[tensor.name], end[last], tensor.bytes)]
-        else:
-            made_at = recomputed_at[tensor.name]
-            pieces += [(start[tensor.producer], end[tensor.last_forward_use], tensor.bytes),
-                       (made_at, end[last], tensor.bytes)]
-            if tensor.name in transient:
-                size, duration = transient[tensor.name]
-                pieces.append((made_at, made_at + duration, size))
-        piece_devices += [table.devices[table.index[tensor.name]]] * \
-            (len(pieces) - len(piece_devices))
-    spans = np.array(pieces, dtype=float).reshape(-1, 3)
-    starts = np.concatenate([start[table.producers[plain]], spans[:, 0]])
-    ends = np.concatenate([end[table.lasts[plain]], spans[:, 1]])
-    sizes = np.concatenate([table.sizes[plain], spans[:, 2].astype(np.int64)])
-    devices = np.concatenate([table.devices[plain], np.array(piece_devices, dtype=int)])
-    peak, peak_time, peak_device = max(
-        (*_peak(starts[devices == d], ends[devices == d], sizes[devices == d]), d)
-        for d in range(len(table.device_names)))
-    # The op running at the peak or, in a wait or recomputation before an op, that op.
-    running = np.nonzero(peak_time < end)[0]
-    peak_op = int(running[0]) if len(running) else len(durations) - 1
-    compute = float(durations.sum()) + sum(decision.cost_ms for decision in recomputes)
-    copied_out_before = tuple(
-        (name, min(max(int(np.searchsorted(start, out_done[name] - 1e-9)),
-                       by_name[name].last_forward_use + 1), by_name[name].backward_consumers[0]))
-        for name in chosen)
-    return Prediction(step_ms=float(end[-1]) if len(end) else 0.0, compute_ms=compute,
-                      peak_bytes=peak + persistent_bytes, peak_op=peak_op,
-                      transfer_ms=transfer, copied_out_before=copied_out_before,
-                      peak_device=table.device_names[peak_device])
+    def _prepared(self, recomputes: Sequence[RecomputeDecision]) -> "PreparedRecomputes":
+        """What the recomputations alone decide, kept for the last few tuples asked about: a
+        round of the search predicts most of its options with the same tuple. (A list may
+        change between calls: worked out anew.)"""
+        if not isinstance(recomputes, tuple):
+            return PreparedRecomputes.of(self.table, recomputes)
+        key = id(recomputes)
+        found = self.prepared.get(key)
+        if found is not None and found[0] is recomputes:
+            return found[1]
+        if len(self.prepared) >= PREPARED_KEPT:
+            self.prepared.clear()
+        made = PreparedRecomputes.of(self.table, recomputes)
+        self.prepared[key] = (recomputes, made)  # the tuple kept too: its id stays its own
+        return made
+
+    def _device_peak(self, device: int, start: np.ndarray, end: np.ndarray, ordered: bool,
+                     moved: np.ndarray, piece_starts: np.ndarray, piece_ends: np.ndarray,
+                     piece_sizes: np.ndarray) -> tuple[int, float]:
+        """One device's peak and when, as `swept_peak` finds it: the tensors but `moved` (rows
+        of the table) held from their producer's start to their last reader's end, and the
+        pieces of the others. `ordered`: the ops' times are in order (`OpStartPeaks.in_order`)."""
+        table = self.table
+        moved = moved[table.devices[moved] == device]
+        found = self.op_start_peaks[device].peak(
+            start, end, ordered, table.producers[moved], table.lasts[moved], table.sizes[moved],
+            piece_starts, piece_ends, piece_sizes)
+        if found is not None:
+            return found
+        allocated, freed = self.allocated[device].copy(), self.freed[device].copy()
+        np.subtract.at(allocated, table.producers[moved], table.sizes[moved])
+        np.subtract.at(freed, table.lasts[moved], table.sizes[moved])
+        found = peak_from_op_events(start, end, allocated, freed, piece_starts, piece_ends,
+                                    piece_sizes)
+        if found is not None:
+            return found
+        plain = np.ones(len(table.sizes), dtype=bool)
+        plain[moved] = False
+        plain &= table.devices == device
+        return swept_peak(np.concatenate([start[table.producers[plain]], piece_starts]),
+                          np.concatenate([end[table.lasts[plain]], piece_ends]),
+                          np.concatenate([table.sizes[plain], piece_sizes]))
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorTable:
-    """The tensors' names, producers, last readers and sizes, as arrays: made once per list of
-    tensors, as the planner predicts for many decisions over the same ones."""
+    """The tensors' names, producers, last readers, sizes and last forward readers, as
+    arrays."""
 
     tensors: Sequence[TensorUse]
     by_name: Mapping[str, TensorUse]
@@ -229,25 +326,86 @@ class TensorTable:
     producers: np.ndarray
     lasts: np.ndarray
     sizes: np.ndarray
+    last_forward_uses: np.ndarray
     device_names: tuple[str, ...]
     devices: np.ndarray  # indices into device_names
+    first_backward: Mapping[str, int]  # of the tensors kept for the backward pass
 
     @classmethod
     def of(cls, tensors: Sequence[TensorUse]) -> "TensorTable":
-        global _last_table
-        if _last_table is not None and _last_table.tensors is tensors:
-            return _last_table
         names = tuple(sorted({t.device for t in tensors})) or ("",)
-        _last_table = cls(
+        return cls(
             tensors, {t.name: t for t in tensors}, {t.name: i for i, t in enumerate(tensors)},
             np.array([t.producer for t in tensors], dtype=int),
             np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
-            np.array([t.bytes for t in tensors], dtype=np.int64), names,
-            np.array([names.index(t.device) for t in tensors], dtype=int))
-        return _last_table
+            np.array([t.bytes for t in tensors], dtype=np.int64),
+            np.array([t.last_forward_use for t in tensors], dtype=int), names,
+            np.array([names.index(t.device) for t in tensors], dtype=int),
+            {t.name: t.backward_consumers[0] for t in tensors if t.backward_consumers})
 
 
-_last_table: Optional[TensorTable] = None  # the planner's tensors, predicted over and over
+PREPARED_KEPT = 64  # tuples of recomputations prepared and kept: a round's few
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRecomputes:
+    """What a tuple of recomputations decides of a prediction, whatever is swapped: the costs of
+    those run before each op, the swapped tensors each op waits for, and the rows and transient
+    tensors of the pieces they are held in."""
+
+    recomputed_before: Mapping[int, list[float]]  # op -> the costs of those run before it
+    waits: Mapping[int, list[str]]  # op -> swapped tensors a recomputation before it reads
+    # The recomputed tensors' rows in the table: those recomputed on their own in the order
+    # they run, then those made with another, whose positions among the first are `owners`.
+    rows: np.ndarray
+    owners: tuple[int, ...]
+    due: Mapping[str, int]
+    cost_ms: float
+    transient_positions: np.ndarray  # among `rows`, of those with a transient tensor
+    transient_rows: np.ndarray
+    transient_bytes: np.ndarray
+    transient_ms: np.ndarray
+
+    @classmethod
+    def of(cls, table: TensorTable, recomputes: Sequence[RecomputeDecision]):
+        first_backward, index = table.first_backward, table.index
+        # One pass over the decisions, then one over those on their own in the order they run
+        # (by the op they run before, in the order given for the same op): a search prepares
+        # thousands of tuples of a few hundred.
+        running, made_with, waits, cost_ms = [], [], {}, 0
+        due: dict[str, int] = {}  # as due_times: most read nothing swapped, and are skipped
+        for i, decision in enumerate(recomputes):
+            cost_ms += decision.cost_ms  # in the order given, as sum() adds them
+            if decision.made_with is None:
+                running.append((first_backward[decision.tensor], i))
+            else:
+                made_with.append(decision)
+            if decision.swapped_reads:
+                when = first_backward[decision.tensor]
+                for read in decision.swapped_reads:
+                    waits.setdefault(when, []).append(read)
+                    due[read] = min(due.get(read, first_backward[read]), when)
+        running.sort()
+        recomputed_before: dict[int, list[float]] = {}
+        position, rows, transient = {}, [], []
+        for rank, (op, i) in enumerate(running):
+            decision = recomputes[i]
+            recomputed_before.setdefault(op, []).append(decision.cost_ms)
+            position[decision.tensor] = rank
+            rows.append(index[decision.tensor])
+            if decision.transient_bytes:
+                transient.append((rank, decision))
+        for rank, decision in enumerate(made_with, len(running)):
+            rows.append(index[decision.tensor])
+            if decision.transient_bytes:
+                transient.append((rank, decision))
+        return cls(
+            recomputed_before, waits, np.array(rows, dtype=int),
+            tuple(position[d.made_with] for d in made_with), due, cost_ms,
+            np.array([i for i, _ in transient], dtype=int),
+            np.array([index[d.tensor] for _, d in transient], dtype=int),
+            np.array([d.transient_bytes for _, d in transient], dtype=np.int64),
+            np.array([d.cost_ms for _, d in transient], dtype=float))
 
 
 def needed_by(tensor: TensorUse, due: Mapping[str, int]) -> int:
@@ -266,8 +424,9 @@ def due_times(by_name: Mapping[str, TensorUse], recomputes) -> dict[str, int]:
     return due
 
 
-def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:
-    """Most bytes held at once by half-open [start, end) intervals, and when."""
+def swept_peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:
+    """Most bytes held at once by half-open [start, end) intervals, and when (the earliest
+    time they are held), by a sweep over every allocation and free in time order."""
     held = ends > starts
     starts, ends, sizes = starts[held], ends[held], sizes[held]
     if not len(sizes):
@@ -279,6 +438,58 @@ def _peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int,
     totals = np.cumsum(changes[order])
     best = int(np.argmax(totals))
     return int(max(totals[best], 0)), float(times[order][best])
+
+
+def peak_from_op_events(start: np.ndarray, end: np.ndarray, allocated: np.ndarray,
+                        freed: np.ndarray, piece_starts: np.ndarray, piece_ends: np.ndarray,
+                        piece_sizes: np.ndarray) -> Optional[tuple[int, float]]:
+    """`swept_peak` of the tensors that ops allocate (`allocated[i]` bytes at `start[i]`) and
+    free (`freed[i]` at `end[i]`), and of pieces held from `piece_starts` to `piece_ends`,
+    without sorting the tensors: None where it cannot tell (op times out of order, or no bytes
+    held).
+
+    The bytes held at a time T, after what happens at T, are those allocated by T less those
+    freed by T (an interval that starts and ends at once adds nothing). Their most is first
+    reached at an allocation, at an op's start or a piece's: so the bytes held at each op's start
+    and each piece's start are all the sweep needs. Where the ops' times interleave (each starts
+    before it ends, and ends before the next starts) as they do but for ties, rounding or ops of
+    no duration, the allocations by op i's start are ops 0..i's, and the frees ops 0..i-1's; the
+    exceptions are looked up in the sorted times."""
+    count = len(start)
+    if not count or np.any(start[1:] < start[:-1]) or np.any(end[1:] < end[:-1]) or \
+            np.any(end < start):
+        return None
+    held = piece_ends > piece_starts  # as in the sweep, pieces not held at all left out
+    piece_starts, piece_ends, piece_sizes = piece_starts[held], piece_ends[held], piece_sizes[held]
+    allocated_by = np.concatenate([[0], np.cumsum(allocated)])
+    freed_by = np.concatenate([[0], np.cumsum(freed)])
+    started, ended = np.arange(1, count + 1), np.arange(count)
+    tied = np.flatnonzero(start[1:] == start[:-1])
+    started[tied] = np.searchsorted(start, start[tied], "right")
+    overlapping = np.flatnonzero((end <= start) | np.concatenate([[False], end[:-1] > start[1:]]))
+    ended[overlapping] = np.searchsorted(end, start[overlapping], "right")
+    held = allocated_by[started] - freed_by[ended]
+    # The pieces held at each op's start: from the first op starting at or after each piece's
+    # start, to the first at or after its end.
+    change = np.zeros(count + 1, dtype=np.int64)
+    np.add.at(change, np.searchsorted(start, piece_starts, "left"), piece_sizes)
+    np.add.at(change, np.searchsorted(start, piece_ends, "left"), -piece_sizes)
+    held += np.cumsum(change[:-1])
+    # And at each piece's start: the ops' tensors and the pieces held then.
+    by_start, by_end = np.argsort(piece_starts), np.argsort(piece_ends)
+    pieces_started = np.concatenate([[0], np.cumsum(piece_sizes[by_start])])
+    pieces_ended = np.concatenate([[0], np.cumsum(piece_sizes[by_end])])
+    held_at_pieces = (
+        allocated_by[np.searchsorted(start, piece_starts, "right")]
+        - freed_by[np.searchsorted(end, piece_starts, "right")]
+        + pieces_started[np.searchsorted(piece_starts[by_start], piece_starts, "right")]
+        - pieces_ended[np.searchsorted(piece_ends[by_end], piece_starts, "right")])
+    times = np.concatenate([start, piece_starts])
+    held = np.concatenate([held, held_at_pieces])
+    peak = int(held.max())
+    if peak <= 0:
+        return None
+    return peak, float(times[held == peak].min())
 
 
 def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],

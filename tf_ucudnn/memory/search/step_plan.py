@@ -33,7 +33,12 @@ from tf_ucudnn.memory.cost.device_model import DeviceModel, tensor_bytes
 from tf_ucudnn.memory.passes.graph_prefix import cut_candidates, micro_batch_prefix
 from tf_ucudnn.memory.passes.recompute import CLONE, Recompute, insert_recomputes, recomputable
 from tf_ucudnn.memory.passes.swap import Swap, insert_swaps
-from tf_ucudnn.memory.search.greedy import BudgetError, MemoryDecisions, plan_memory
+from tf_ucudnn.memory.search.greedy import (
+    BudgetError,
+    MemoryDecisions,
+    plan_memory,
+    without_cycle_collection,
+)
 
 MIB = 1 << 20
 
@@ -75,7 +80,8 @@ def op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[
     the step takes `step_ms` (a measurement of the whole step) if that is given."""
     measured_ms = measured_ms or {}
     operations = graph.get_operations()
-    estimated = {op.name: model.op_ms(op) for op in operations if op.name not in measured_ms}
+    unmeasured = [op for op in operations if op.name not in measured_ms]
+    estimated = dict(zip((op.name for op in unmeasured), model.ops_ms(unmeasured)))
     scale = 1.0
     if step_ms is not None and estimated:
         rest = step_ms - sum(measured_ms.get(op.name, 0.0) for op in operations)
@@ -145,6 +151,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
     return chains
 
 
+@without_cycle_collection
 def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
                      measured_ms: Optional[Mapping[str, float]] = None,
                      step_ms: Optional[float] = None) -> MemoryPlan:
