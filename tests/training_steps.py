@@ -3,6 +3,8 @@
 import numpy as np
 import tensorflow as tf
 
+from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
+from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 
 # A slow link and fast compute: swaps show their cost, recomputation is cheap.
@@ -108,3 +110,29 @@ def assert_anchors_cannot_merge_into_a_cycle(planned):
             assert not merging, f"{anchor.name} shares an input with {merging[:3]}, which wait for it"
             checked += 1
     assert checked, "the plan has no anchored swap-in or recomputation"
+
+
+class WorkspaceFrontPlanner:
+    """Plans each kernel undivided with 64 MiB of workspace, and offers halves with none, as
+    its Pareto front (for choosing workspaces with the memory plan). Notes the batch sizes it
+    plans for."""
+
+    BIG = 64 << 20
+
+    def __init__(self):
+        self.batches = []
+
+    def options(self, layer):
+        size = layer.batch_size
+        halves = KernelPlan((MicroBatch(size // 2, Algorithm(0), 0),
+                             MicroBatch(size - size // 2, Algorithm(0), 0)))
+        whole = KernelPlan((MicroBatch(size, Algorithm(1), self.BIG),))
+        return [KernelConfiguration(halves, 1.0, 0), KernelConfiguration(whole, 0.5, self.BIG)]
+
+    def __call__(self, layer):
+        self.batches.append(layer.batch_size)
+        whole = self.options(layer)[1].plan
+        return LayerPlan(whole, whole, whole)
+
+    def workspace_front(self, layer):
+        return {kernel: self.options(layer) for kernel in KERNELS}

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
-from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.core.plan import KERNELS, KernelPlan, LayerPlan
 from tf_ucudnn.keras.accumulated_step import AccumulationError, AccumulationPlan
 from tf_ucudnn.keras.callback import MicroBatchCallback
 
@@ -151,32 +150,11 @@ def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-class FrontPlanner(HalvingPlanner):
-    """Plans each kernel undivided with 64 MiB of workspace, and offers halves with none."""
-
-    BIG = 64 << 20
-
-    def options(self, layer):
-        size = layer.batch_size
-        halves = KernelPlan((MicroBatch(size // 2, Algorithm(0), 0),
-                             MicroBatch(size - size // 2, Algorithm(0), 0)))
-        whole = KernelPlan((MicroBatch(size, Algorithm(1), self.BIG),))
-        return [KernelConfiguration(halves, 1.0, 0), KernelConfiguration(whole, 0.5, self.BIG)]
-
-    def __call__(self, layer):
-        self.batches.append(layer.batch_size)
-        whole = self.options(layer)[1].plan
-        return LayerPlan(whole, whole, whole)
-
-    def workspace_front(self, layer):
-        return {kernel: self.options(layer) for kernel in KERNELS}
-
-
 def test_on_the_graph_path_the_kernels_workspaces_are_chosen_with_the_memory_plan():
-    from training_steps import SLOW_LINK
+    from training_steps import SLOW_LINK, WorkspaceFrontPlanner
 
     plain, plain_history = fit(normalized_model, [], jit_compile=False)
-    callback = MicroBatchCallback(planner=FrontPlanner(), memory_budget=32 << 20,
+    callback = MicroBatchCallback(planner=WorkspaceFrontPlanner(), memory_budget=32 << 20,
                                   device_model=SLOW_LINK, trial_steps=0, verbose=0)
     planned, history = fit(normalized_model, [callback], jit_compile=False)
     # The one convolution's three kernels each held 64 MiB: all give it up, nothing else.

@@ -2,17 +2,10 @@
 workspace while that fits the budget, or fits it at a shorter predicted step."""
 
 import pytest
-from training_steps import SLOW_LINK, assert_same_step, conv_training_step
+from training_steps import SLOW_LINK, WorkspaceFrontPlanner, assert_same_step, conv_training_step
 
 from tf_ucudnn.conv_planning.kernel_dp import KernelConfiguration
-from tf_ucudnn.core.plan import (
-    KERNELS,
-    WORKSPACE_ATTR,
-    Algorithm,
-    KernelPlan,
-    LayerPlan,
-    MicroBatch,
-)
+from tf_ucudnn.core.plan import WORKSPACE_ATTR, Algorithm, KernelPlan, MicroBatch
 from tf_ucudnn.memory.cost.simulator import Prediction
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.workspace_choice import StepOutcome, choose_workspaces
@@ -86,34 +79,14 @@ def test_no_choice_that_fits_raises_the_budget_error():
         choose_workspaces(FRONTS, plan_for)
 
 
-class FrontPlanner:
-    """Plans each kernel undivided with 64 MiB of workspace, and offers halves with none."""
-
-    BIG = 64 << 20
-
-    def options(self, layer):
-        size = layer.batch_size
-        halves = KernelPlan((MicroBatch(size // 2, Algorithm(0), 0),
-                             MicroBatch(size - size // 2, Algorithm(0), 0)))
-        whole = KernelPlan((MicroBatch(size, Algorithm(1), self.BIG),))
-        return [KernelConfiguration(halves, 1.0, 0), KernelConfiguration(whole, 0.5, self.BIG)]
-
-    def __call__(self, layer):
-        whole = self.options(layer)[1].plan
-        return LayerPlan(whole, whole, whole)
-
-    def workspace_front(self, layer):
-        return {kernel: self.options(layer) for kernel in KERNELS}
-
-
 def test_rewrite_under_a_budget_lowers_the_workspaces_that_keep_the_step_from_fitting():
     step = conv_training_step()
-    _, roomy = plan_graph(step, Options(memory_budget=1 << 40), FrontPlanner(),
+    _, roomy = plan_graph(step, Options(memory_budget=1 << 40), WorkspaceFrontPlanner(),
                           device_model=SLOW_LINK)
     assert roomy.memory_workspaces.lowered == []
-    assert roomy.memory.liveness.peak_bytes > FrontPlanner.BIG  # a workspace is the peak
+    assert roomy.memory.liveness.peak_bytes > WorkspaceFrontPlanner.BIG  # a workspace is the peak
 
-    planned, report = plan_graph(step, Options(memory_budget=32 << 20), FrontPlanner(),
+    planned, report = plan_graph(step, Options(memory_budget=32 << 20), WorkspaceFrontPlanner(),
                                  device_model=SLOW_LINK)
     # Every kernel holds 64 MiB while it runs: each must give it up, and then nothing else.
     lowered = report.memory_workspaces.lowered
