@@ -144,7 +144,7 @@ def _largest_plain_batch(model, shape, start: int, max_batch: int, steps: int):
     return good, rates.get(good)
 
 
-def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
+def keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
                memory_limit_gib: float, allocator: str) -> dict:
     """Keras's own training loop as a user runs it (`model.fit`, compiled with its defaults: XLA
     where the model allows): images per second at up to `tries` batch sizes, `batch` first,
@@ -155,7 +155,7 @@ def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
     of memory, which would end this run too."""
     trials, failures, size = {}, {}, batch
     while len(trials) < tries and size > 0 and size not in trials:
-        result, failure, _ = _in_child(
+        result, failure, _ = in_child(
             ["--keras-fit-child", name, str(size), str(steps), "--trial-allocator", allocator],
             memory_limit_gib, {"TF_GPU_ALLOCATOR": allocator} if allocator != "bfc" else {})
         trials[size] = result.get("img_per_s")
@@ -168,7 +168,7 @@ def _keras_fit(name: str, batch: int, step: int, steps: int, tries: int,
             "img_per_s_by_batch": trials, "failures": failures}
 
 
-def _in_child(arguments: list, memory_limit_gib: float,
+def in_child(arguments: list, memory_limit_gib: float,
               environment: Optional[dict] = None) -> tuple[dict, Optional[str], str]:
     """This script's JSON answer to `arguments`, run in a process of its own under the same
     cap (with `environment`'s variables added); if it gave none, how the process ended; and its
@@ -185,7 +185,7 @@ def _in_child(arguments: list, memory_limit_gib: float,
 
 
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
-    """One batch size of `_keras_fit`, in this process (its child)."""
+    """One batch size of `keras_fit`, in this process (its child)."""
     import keras
 
     model = _load_model(name, smoke)
@@ -506,7 +506,7 @@ def main():
             calibration_rate = as_planned_rate or rate
             print(name, "as planned", as_planned_batch, as_planned_rate, flush=True)
         if batch and args.keras_fit_tries:
-            entry["keras_fit"] = _keras_fit(name, batch, args.start_batch, args.steps,
+            entry["keras_fit"] = keras_fit(name, batch, args.start_batch, args.steps,
                                             args.keras_fit_tries, args.memory_limit_gib,
                                             args.trial_allocator)
             print(name, "Keras fit", json.dumps(entry["keras_fit"])[:300], flush=True)
@@ -515,7 +515,7 @@ def main():
         trial_environment = ({"TF_GPU_ALLOCATOR": args.trial_allocator}
                              if args.trial_allocator != "bfc" else {})
         if batch and trial_environment:  # TensorFlow's own step, capped as the trials are
-            baseline, failure, _ = _in_child(
+            baseline, failure, _ = in_child(
                 ["--tensorflow-child", name, str(batch), "--steps", str(args.steps),
                  "--start-batch", str(args.start_batch),
                  "--trial-allocator", args.trial_allocator],
@@ -544,7 +544,7 @@ def main():
             # plan trains it), scaled to the batch.
             step_ms = big_batch / calibration_rate * 1e3
             budget = int(args.memory_limit_gib * fraction * scale * (1 << 30))
-            trial, failure, log = _in_child(
+            trial, failure, log = in_child(
                 ["--trial-child", name, str(big_batch), str(budget), repr(step_ms),
                  *plan_options], args.memory_limit_gib, plan_environment)
             trial = trial or {"batch": big_batch, "error": failure}
@@ -570,7 +570,7 @@ def main():
         if trained and args.keras_callback:
             budget = int(args.memory_limit_gib * trained[0]["budget_fraction"] * scale
                          * (1 << 30))
-            fit, failure, _ = _in_child(
+            fit, failure, _ = in_child(
                 ["--keras-callback-child", name, str(trained[0]["batch"]), str(budget),
                  *plan_options], args.memory_limit_gib, plan_environment)
             entry["keras_callback"] = fit or {"batch": trained[0]["batch"], "error": failure}

@@ -4,10 +4,10 @@ multiple of that batch, each in a fresh process of its own under the same cap, o
 
     python benchmarks/keras_beyond_memory.py --models vgg16 resnet50 resnet152 --out FILE
 
-Keras's largest batch is searched upwards from `--start` (per model) in steps of `--step` until a
-batch fails (out of memory) or `--tries` ran. The callback's run trains at `--factor` times that
-batch under `--budget-fraction` of the cap (the rest is left to the allocator's fragmentation
-and what XLA holds beside its buffers). The JSON keeps `keras_fit` and `keras_callback` per model,
+Keras's largest batch is searched from `--start` (per model) in steps of `--step`, up while they
+train or down until one does, at most `--tries` batches (beyond_memory.py's `keras_fit`). The
+callback's run trains at `--factor` times that batch under `--budget-fraction` of the cap (the
+rest is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps `keras_fit` and `keras_callback` per model,
 as beyond_memory.py writes them, and the callback's run says which way it planned the step (the
 whole step in micro-batches, or swaps and recomputations) and its predicted and measured peaks.
 """
@@ -17,46 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "beyond_memory.py")
+from beyond_memory import in_child, keras_fit
+
 STARTS = {"resnet50": 192, "vgg16": 128, "resnet152": 80, "smoke": 8}
-
-
-def in_child(arguments: list, memory_limit_gib: float, environment: dict) -> dict:
-    """beyond_memory.py's JSON answer for one child run, or how the process ended."""
-    child = subprocess.run(
-        [sys.executable, CHILD, *arguments, "--memory-limit-gib", str(memory_limit_gib),
-         "--out", os.devnull], capture_output=True, text=True,
-        env={**os.environ, **environment})
-    lines = child.stdout.strip().splitlines()
-    if child.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    tail = [line for line in child.stderr.splitlines() if line.strip()][-3:]
-    return {"error": f"exit status {child.returncode}: " + " | ".join(tail)[-600:]}
-
-
-def largest_keras_batch(name: str, args, environment: dict) -> dict:
-    """Keras fit's img/s from `--start` up by `--step`, until a batch fails or `--tries` ran."""
-    by_batch, batch = {}, args.start or STARTS[name]
-    while len(by_batch) < args.tries:
-        result = in_child(["--keras-fit-child", name, str(batch), str(args.steps),
-                           "--trial-allocator", args.allocator], args.memory_limit_gib,
-                          environment)
-        by_batch[batch] = result
-        print(name, "Keras fit", batch, json.dumps(result)[:200], flush=True)
-        if not result.get("img_per_s"):
-            break
-        batch += args.step
-    trained = [b for b, r in by_batch.items() if r.get("img_per_s")]
-    largest = max(trained, default=None)
-    return {"largest_batch_tried": largest,
-            "img_per_s": by_batch[largest]["img_per_s"] if largest else None,
-            "img_per_s_by_batch": {b: r.get("img_per_s") for b, r in by_batch.items()},
-            "failures": {b: r.get("error") for b, r in by_batch.items() if r.get("error")},
-            "allocator": args.allocator}
 
 
 def main():
@@ -80,19 +45,22 @@ def main():
                "command": " ".join(sys.argv), "memory_limit_gib": args.memory_limit_gib,
                "budget_fraction": args.budget_fraction, "factor": args.factor, "models": {}}
     for name in args.models:
-        keras_fit = largest_keras_batch(name, args, environment)
-        entry = {"keras_fit": keras_fit}
+        fit = keras_fit(name, args.start or STARTS[name], args.step, args.steps, args.tries,
+                        args.memory_limit_gib, args.allocator)
+        print(name, "Keras fit", json.dumps(fit)[:400], flush=True)
+        entry = {"keras_fit": fit}
         results["models"][name] = entry
-        if keras_fit["largest_batch_tried"]:
-            batch = args.factor * keras_fit["largest_batch_tried"]
+        if fit["largest_batch_tried"]:
+            batch = args.factor * fit["largest_batch_tried"]
             budget = int(args.budget_fraction * args.memory_limit_gib * (1 << 30))
-            callback = in_child(
+            callback, failure, _ = in_child(
                 ["--keras-callback-child", name, str(batch), str(budget), "--steps",
                  str(args.steps), "--link-gb-s", *map(str, args.link_gb_s),
                  "--trial-allocator", args.allocator, *args.callback_options],
                 args.memory_limit_gib, environment)
-            if callback.get("img_per_s") and keras_fit["img_per_s"]:
-                callback["vs_keras_fit"] = callback["img_per_s"] / keras_fit["img_per_s"]
+            callback = callback or {"batch": batch, "error": failure}
+            if callback.get("img_per_s") and fit["img_per_s"]:
+                callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
             entry["keras_callback"] = callback
             print(name, "callback", json.dumps(callback)[:400], flush=True)
         with open(args.out, "w") as f:  # after each model, lest a time limit lose them all
