@@ -6,10 +6,11 @@ multiple of that batch, each in a fresh process of its own under the same cap, o
 
 Keras's largest batch is searched from `--start` (per model) in steps of `--step`, up while they
 train or down until one does, at most `--tries` batches (beyond_memory.py's `keras_fit`). The
-callback's run trains at `--factor` times that batch under `--budget-fraction` of the cap (the
-rest is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps `keras_fit` and `keras_callback` per model,
-as beyond_memory.py writes them, and the callback's run says which way it planned the step (the
-whole step in micro-batches, or swaps and recomputations) and its predicted and measured peaks.
+callback's run trains at `--factor` times that batch under `--budget-fraction` of the cap (the rest
+is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps
+`keras_fit` and `keras_callback` per model, as beyond_memory.py writes them, and the callback's run
+says which way it planned the step (the whole step in micro-batches, or swaps and recomputations)
+and its predicted and measured peaks.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *,
     leaves the convolutions to TensorFlow) and/or a `workspace_budget` shared by all kernels
     (bytes, or sizes such as "64MiB"), planned from the profile `database` with `profiles`
     imported into it (see `tf_ucudnn.Options` for these and `device`, `cudnn_version`);
-    `options` gives every setting at once instead. Where no measurements can be had, each convolution is reported left alone
-    with the reason.
+    `options` gives every setting at once instead. Where no measurements can be had, each
+    convolution is reported left alone with the reason.
 
     `spatial_split` (a number of devices, or the `devices` themselves) splits every convolution
     layer of the main graph along its first spatial dimension over that many GPUs (logical CPUs

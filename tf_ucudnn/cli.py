@@ -1,6 +1,7 @@
 """The `tf-ucudnn` command.
 
-    tf-ucudnn plan MODEL --batch 256 [--workspace-limit 64MiB | --workspace-budget 512MiB --mode MODE]
+    tf-ucudnn plan MODEL --batch 256 [--workspace-limit 64MiB |
+                                      --workspace-budget 512MiB --mode MODE]
 
 prints, per layer and kernel, the micro-batches and algorithms chosen, their predicted time and
 workspace, against the best undivided algorithm under the same limit.

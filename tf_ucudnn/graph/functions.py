@@ -45,7 +45,8 @@ def callable_over(graph_def: graph_pb2.GraphDef, function, jit_compile: bool = F
         # the import brings along though its readers are mapped to the inputs: a NoOp in its
         # place keeps the name the mapping refers to.
         mapped = {name.partition(":")[0] for name in (*inputs, *captures)}
-        graph_def = graph_pb2.GraphDef.FromString(graph_def.SerializeToString())
+        given, graph_def = graph_def, graph_pb2.GraphDef()
+        graph_def.CopyFrom(given)
         for node in graph_def.node:
             if node.name in mapped and node.op == "Placeholder":
                 node.op = "NoOp"

@@ -8,8 +8,9 @@ and the moving statistics follow Keras's own update.
 
 Memory: the kernel holds the input, the output's gradient and the input's gradient, but on the GPU
 TensorFlow runs float32 channels-last input through cuDNN in NCHW, with transposed copies (two
-forward, three backward; `tf_ucudnn.memory.analysis.liveness.kernel_scratch_bytes` counts them). Keras's
-ops hold about as much: the liveness analysis predicts about the same peak for either.
+forward, three backward; `tf_ucudnn.memory.analysis.liveness.kernel_scratch_bytes` counts
+them). Keras's ops hold about as much: the liveness analysis predicts about the same peak for
+either.
 
 Kernels: "cudnn", TensorFlow's FusedBatchNormV3; "xla", the same arithmetic as one XLA
 computation each way on the input as it is; "ucudnn", tf_ucudnn's own op (`ops.batch_norm`),

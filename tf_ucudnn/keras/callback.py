@@ -102,8 +102,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         size and trained, without XLA, with the swaps and recomputations `tf_ucudnn.rewrite`
         plans for it, the planned kernels' workspaces chosen with them
         (`report.memory_workspaces`); if no such plan fits, the model's first layers run in
-        micro-batches too (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met stops training with a
-        BudgetError or AccumulationError saying by how much.
+        micro-batches too (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met
+        stops training with a BudgetError or AccumulationError saying by how much.
       accumulate_gradients: False to plan swaps and recomputations under a memory budget even
         where the whole step could run in micro-batches with its gradients summed.
       micro_batches: the micro-batch counts the first layers may run in under a memory budget
@@ -385,10 +385,12 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     contextlib.nullcontext():
                 return tf.function(self.model.train_step).get_concrete_function(specs)
 
-        def plan_step():
-            return plan_keras_step(self.model, batch, self.options.memory_budget, device_model,
-                                   micro_batches=self.options.micro_batches, trace=trace,
-                                   whole_batches=self.whole_batches)
+        def plan_step(whole=None):  # `whole`: the step in whole batches, if traced already
+            return plan_keras_step(
+                self.model, batch, self.options.memory_budget, device_model,
+                micro_batches=self.options.micro_batches, whole_batches=self.whole_batches,
+                trace=lambda layer, count: whole if layer is None and whole is not None
+                else trace(layer, count))
 
         planned = {p.layer.path: p for p in self._patched if p.plan and p.fronts}
         if planned:  # the kernels' workspaces chosen with the memory plan

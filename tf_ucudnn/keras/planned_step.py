@@ -137,7 +137,6 @@ def _cuts(model: tf.keras.Model, names: Optional[Iterable[str]]):
         yield name, None
 
 
-
 _KERNEL_OF_OP = {f"UcudnnConv{rank}D{suffix}": kernel for rank in (2, 3) for suffix, kernel in
                  (("", FORWARD), ("BackpropInput", BACKPROP_INPUT),
                   ("BackpropFilter", BACKPROP_FILTER))}
@@ -162,23 +161,24 @@ def planned_kernel(graph: tf.Graph, op_name: str, layer_of: Callable[[str], Opti
     return f"{layers.pop()}|{kernel}" if len(layers) == 1 else None
 
 
-def plan_keras_step_with_workspaces(plan_step: Callable[[], tuple], fronts: dict,
+def plan_keras_step_with_workspaces(plan_step: Callable[[object], tuple], fronts: dict,
                                     apply_choice: Callable[[dict], None],
                                     trace_whole: Callable[[], object],
                                     layer_of: Callable[[str], Optional[str]]):
-    """`plan_step()` (a `plan_keras_step` call) with the planned kernels' workspaces chosen
-    with the memory (`tf_ucudnn.memory.search.workspace_choice`): `fronts` gives each
-    "layer|kernel" its Pareto front, `apply_choice(choice)` sets those kernels' plans on the
-    model's layers (the next trace runs them), `trace_whole()` traces the step as it is, and
-    `layer_of(op name)` names the layer of a forward op. Returns plan_step's result and the
-    WorkspacePlan; the layers are left with the plans chosen."""
+    """`plan_step(whole)` (a `plan_keras_step` call, given the step traced in whole batches)
+    with the planned kernels' workspaces chosen with the memory
+    (`tf_ucudnn.memory.search.workspace_choice`): `fronts` gives each "layer|kernel" its Pareto
+    front, `apply_choice(choice)` sets those kernels' plans on the model's layers (the next
+    trace runs them), `trace_whole()` traces the step as it is, and `layer_of(op name)` names
+    the layer of a forward op. Returns plan_step's result and the WorkspacePlan; the layers are
+    left with the plans chosen."""
     def plan_for(choice) -> StepOutcome:
         apply_choice(choice)
         # The op at the peak, found in the step as traced whole (a plan's graph has swapped and
-        # recomputed inputs in the way of telling a gradient's layer).
+        # recomputed inputs in the way of telling a gradient's layer); the plan starts from it.
         whole = trace_whole()
         try:
-            step, kept = plan_step()
+            step, kept = plan_step(whole)
         except BudgetError as error:
             return StepOutcome(None, None, planned_kernel(
                 whole.graph, analyze(whole).peak_op, layer_of) or "", error)

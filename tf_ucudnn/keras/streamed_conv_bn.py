@@ -17,12 +17,12 @@ concatenated at the end. The forward is the two layers' own: z = conv(x) + bias,
 normalization's XLA forward (`tf_ucudnn.keras.batch_norm_forms`); x and z are kept for the backward,
 as the two layers kept them.
 
-Memory, as `tf_ucudnn.memory.analysis.liveness` counts it: each micro-batch's slices of x, z and dy are
-buffers of their own there, though TensorFlow slices the first dimension in place (pessimistic by
-three micro-batches' slices); slices rather than a split, which the analysis takes as an alias,
+Memory, as `tf_ucudnn.memory.analysis.liveness` counts it: each micro-batch's slices of x, z and dy
+are buffers of their own there, though TensorFlow slices the first dimension in place (pessimistic
+by three micro-batches' slices); slices rather than a split, which the analysis takes as an alias,
 because the planner recomputes only tensors that their backward readers read directly. The
-concatenation of the input gradients holds the pieces and the whole: twice the input's gradient,
-for that op. And a pair's backward runs whole when the tape reaches it: a projection shortcut's
+concatenation of the input gradients holds the pieces and the whole: twice the input's gradient, for
+that op. And a pair's backward runs whole when the tape reaches it: a projection shortcut's
 convolution reads its input (the block's) at the start of the block's backward, not at its end.
 
 `streamed_conv_batch_norm(model, micro_batches)` switches a Keras model's convolution and batch
@@ -108,7 +108,8 @@ def conv_batch_norm(x, kernel, bias, scale, offset, *, strides=1, padding="VALID
                 begin, extent = tf.constant([start, 0, 0, 0]), tf.constant([size, -1, -1, -1])
                 with tf.control_dependencies(previous):
                     # Slices, not a split: the planner recomputes only tensors its backward
-                    # readers read directly, not through an alias (tf_ucudnn.memory.search.step_plan).
+                    # readers read directly, not through an alias
+                    # (tf_ucudnn.memory.search.step_plan).
                     x_i, z_i, dy_i = (t if size == t.shape[0] else tf.slice(t, begin, extent)
                                       for t in (x, z, dy))
                     dz_i, d_bias_i = normalization_gradient(

@@ -185,8 +185,9 @@ class _Builder:
     def split(self, tensor: str, key: tuple) -> str:
         """Splits `tensor` along its first dimension into the micro-batches."""
         producer, index = parse_input(tensor)[1:]
-        node = node_def_pb2.NodeDef(name=f"{producer}/{SCOPE}/split", op="SplitV",
-                                    input=[tensor_ref(producer, index), self.sizes_const, self.axis])
+        node = node_def_pb2.NodeDef(
+            name=f"{producer}/{SCOPE}/split", op="SplitV",
+            input=[tensor_ref(producer, index), self.sizes_const, self.axis])
         node.attr["T"].type = self._dtype(tensor)
         node.attr["Tlen"].type = tf.int32.as_datatype_enum
         node.attr["num_split"].i = len(self.sizes)

@@ -44,6 +44,10 @@ class KernelWorkspace:
     chosen: KernelConfiguration
     fastest: KernelConfiguration
 
+    @property
+    def extra_ms(self) -> float:
+        return self.chosen.time_ms - self.fastest.time_ms
+
     def to_json(self) -> dict:
         return {"node": self.node, "workspace_bytes": self.chosen.workspace_bytes,
                 "time_ms": self.chosen.time_ms,
@@ -61,7 +65,7 @@ class WorkspacePlan:
 
     @property
     def extra_ms(self) -> float:
-        return sum(k.chosen.time_ms - k.fastest.time_ms for k in self.lowered)
+        return sum(k.extra_ms for k in self.lowered)
 
     def to_json(self) -> dict:
         return {"lowered": [k.to_json() for k in self.lowered], "extra_ms": self.extra_ms,
@@ -74,8 +78,8 @@ class WorkspacePlan:
             [f"{len(self.lowered)} kernel(s) given less workspace for the budget, "
              f"{self.extra_ms:.3f} ms more:"]
             + [f"  {k.node}: {format_bytes(k.fastest.workspace_bytes)} -> "
-               f"{format_bytes(k.chosen.workspace_bytes)}, +{k.chosen.time_ms - k.fastest.time_ms:.3f}"
-               " ms" for k in self.lowered])
+               f"{format_bytes(k.chosen.workspace_bytes)}, +{k.extra_ms:.3f} ms"
+               for k in self.lowered])
 
 
 def choose_workspaces(fronts: Mapping[str, Sequence[KernelConfiguration]],
