@@ -163,3 +163,49 @@ def test_the_callbacks_memory_budget_is_met_on_each_device_of_the_split():
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class RowsPerReplica(SpatialCosmoFlow):
+    """Notes the rows each replica's step takes, when Keras traces it."""
+
+    def call(self, x, training=False):
+        replica = tf.distribute.get_replica_context()
+        if replica is not None:  # not Keras's symbolic build
+            self.rows[int(tf.get_static_value(replica.replica_id_in_sync_group))] = x.shape[0]
+        return super().call(x, training)
+
+
+def test_on_batch_calls_share_the_batch_out_over_the_replicas():
+    # Keras 3 hands a train_on_batch batch to every replica whole: each trained on all of it
+    # (twice one device's work, for the same update) and predict_on_batch answered twice.
+    tf.keras.utils.set_random_seed(8)
+    whole = SpatialCosmoFlow(**SMALL)
+    whole.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    x, y = _data(4)
+    # The hybrid test's replica devices: a process's strategies share their collectives' group.
+    strategy = tf.distribute.MirroredStrategy(["/CPU:0", "/CPU:2"])
+    with strategy.scope():
+        shared = RowsPerReplica(**SMALL, mesh=[["/CPU:0"], ["/CPU:2"]])
+        shared.rows = {}
+        shared.set_weights(whole.get_weights())
+        shared.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    for _ in range(2):
+        np.testing.assert_allclose(shared.train_on_batch(x, y), whole.train_on_batch(x, y),
+                                   rtol=1e-5)
+    assert shared.rows == {0: 2, 1: 2}
+    for a, b in zip(shared.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(shared.test_on_batch(x, y), whole.test_on_batch(x, y), rtol=1e-5)
+    predicted = shared.predict_on_batch(x)
+    assert predicted.shape == (4, 3)
+    np.testing.assert_allclose(predicted, whole.predict_on_batch(x), rtol=1e-5, atol=1e-6)
+    # A batch already per replica is each replica's as it is.
+    halves = strategy.experimental_distribute_values_from_function(
+        lambda context: (x[2 * context.replica_id_in_sync_group:][:2],
+                         y[2 * context.replica_id_in_sync_group:][:2], None))
+    shared.rows = {}
+    shared.make_train_function(force=True)
+    shared.train_function([halves])
+    assert shared.rows == {0: 2, 1: 2}
+    with pytest.raises(SpatialSplitError, match="a batch of 1 sample.* 2 replicas"):
+        shared.train_on_batch(x[:1], y[:1])

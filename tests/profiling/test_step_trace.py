@@ -218,3 +218,108 @@ def test_measured_op_ms_on_a_cpu_trace(tmp_path):
     measured = step_trace.measured_op_ms(step_trace.read_profile(str(tmp_path)), on_gpu=False)
     assert {"traced_matmul", "traced_relu", "traced_sum"} <= measured.keys()
     assert all(measured[op] > 0 for op in ("traced_matmul", "traced_relu", "traced_sum"))
+
+
+def _partitioned(*graphs):
+    """RunMetadata whose one function ran in `graphs`: (device, [(name, op, inputs, attrs)])."""
+    from tensorflow.core.protobuf import config_pb2
+
+    metadata = config_pb2.RunMetadata()
+    function = metadata.function_graphs.add()
+    for device, nodes in graphs:
+        graph = function.partition_graphs.add()
+        for name, op, inputs, attrs in nodes:
+            node = graph.node.add(name=name, op=op, input=inputs, device=device)
+            for key, value in attrs.items():
+                node.attr[key].CopyFrom(value)
+    return metadata
+
+
+def _send(to):
+    """A _Send's attributes, from CPU:0 to `to`."""
+    task = b"/job:localhost/replica:0/task:0/"
+    return {"send_device": tf.compat.v1.AttrValue(s=task + b"device:CPU:0"),
+            "recv_device": tf.compat.v1.AttrValue(s=task + to)}
+
+
+def test_placement_and_transfers_from_partition_graphs():
+    cpu0, cpu1 = "/job:localhost/replica:0/task:0/device:CPU:0", \
+        "/job:localhost/replica:0/task:0/device:CPU:1"
+    shape = tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(
+        shape=[tf.TensorShape([4, 8]).as_proto()]))
+    unknown = tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(
+        shape=[tf.TensorShape([None, 8]).as_proto()]))
+    float32 = tf.compat.v1.AttrValue(type=tf.float32.as_datatype_enum)
+    metadata = _partitioned(
+        (cpu0, [("data", "_Arg", [], {"_output_shapes": shape, "T": float32}),
+                ("rows", "_Arg", [], {"_output_shapes": unknown, "T": float32}),
+                ("split", "SplitV", ["data"], {}),
+                ("data/_1", "_Send", ["data"], _send(b"device:CPU:1")),
+                ("rows/_3", "_Send", ["rows"], _send(b"device:CPU:1")),
+                ("split/_5", "_Send", ["split:1"], _send(b"device:CPU:1")),
+                ("ctrl/_7", "_Send", ["^split"], _send(b"device:CPU:1"))]),
+        (cpu1, [("data/_2", "_Recv", [], {}), ("mm", "MatMul", ["data/_2"], {})]))
+    assert step_trace.placed_ops(metadata.function_graphs) == {
+        "data": "/device:CPU:0", "rows": "/device:CPU:0", "split": "/device:CPU:0",
+        "data/_1": "/device:CPU:0", "rows/_3": "/device:CPU:0", "split/_5": "/device:CPU:0",
+        "ctrl/_7": "/device:CPU:0", "data/_2": "/device:CPU:1", "mm": "/device:CPU:1"}
+    assert step_trace.transfers(metadata.function_graphs) == [
+        step_trace.Transfer("data", "/device:CPU:0", "/device:CPU:1", 4 * 8 * 4),
+        step_trace.Transfer("rows", "/device:CPU:0", "/device:CPU:1", None),  # batch unknown
+        step_trace.Transfer("split:1", "/device:CPU:0", "/device:CPU:1", None)]  # no shape
+
+
+def test_host_op_spans_per_device():
+    space = xplane_pb2.XSpace()
+    host = _Plane(space, "/host:CPU")
+    first, second = host.line("tf_Compute/1", 1_000_000), host.line("tf_Compute/2", 2_000_000)
+    collective = host.line("collective_ops/7", 1_000_000)
+    host.event(first, "conv:Conv3D", 0, 2 * MS)
+    host.event(first, "ExecutorState::Process", 0, 5 * MS)  # the runtime's, no op
+    host.event(second, "conv:Conv3D", 1 * MS, MS // 2)  # the same op again, later
+    host.event(second, "replica_1/conv:Conv3D", 0, 3 * MS)
+    host.event(first, "x/_1:_Send", 3 * MS, MS // 10)
+    host.event(collective, "sgd/CollectiveReduceV2:CollectiveReduceV2", 4 * MS, MS)
+    host.event(host.line("python", 0), "fn:Foo", 0, 9 * MS)  # Python's line, before the ops
+    spans = step_trace.host_op_spans(space, {"conv": "/device:CPU:0", "x/_1": "/device:CPU:0",
+                                             "replica_1/conv": "/device:CPU:1"})
+    assert spans == {
+        # tf_Compute/2 starts 1 ms after tf_Compute/1, whose first op starts the clock.
+        "/device:CPU:0": {"conv": Span(0.0, 2.5, False), "x/_1": Span(3.0, 3.1, True)},
+        "/device:CPU:1": {"replica_1/conv": Span(1.0, 4.0, False)},
+        "unplaced": {"sgd/CollectiveReduceV2": Span(4.0, 5.0, False)}}
+    timeline = step_trace.device_timeline(spans["/device:CPU:0"])
+    assert (timeline["busy_ms"], timeline["idle_ms"]) == (2.5, 0.0)  # the send runs beside
+
+
+def test_a_two_device_cpu_step_placed_and_traced(tmp_path):
+    from tensorflow.python.eager import context
+
+    @tf.function
+    def step(x):
+        with tf.device("/CPU:0"):
+            y = tf.matmul(x, x, name="on_first")
+        with tf.device("/CPU:1"):
+            return tf.reduce_sum(tf.matmul(y, y, name="on_second"), name="summed")
+
+    x = tf.ones([64, 64])
+    context.enable_run_metadata()
+    try:
+        step(x)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    placed = step_trace.placed_ops(metadata.function_graphs)
+    assert (placed["on_first"], placed["on_second"]) == ("/device:CPU:0", "/device:CPU:1")
+    assert [(t.tensor, t.source, t.target) for t in step_trace.transfers(
+        metadata.function_graphs)] == [("on_first", "/device:CPU:0", "/device:CPU:1")]
+    tf.profiler.experimental.start(str(tmp_path), options=tf.profiler.experimental
+                                   .ProfilerOptions(host_tracer_level=3))
+    try:
+        step(x).numpy()
+    finally:
+        tf.profiler.experimental.stop()
+    spans = step_trace.host_op_spans(step_trace.read_profile(str(tmp_path)), placed)
+    assert "on_first" in spans["/device:CPU:0"] and "on_second" in spans["/device:CPU:1"]
+    assert spans["/device:CPU:0"]["on_first"].last_ms <= \
+        spans["/device:CPU:1"]["on_second"].first_ms  # the second device waits for the first

@@ -8,7 +8,9 @@ Each sample's depth is cut into `spatial_split` slabs on as many devices (GPUs w
 enough, else logical CPUs); the convolutions exchange halos, the pooling stays on each slab, and
 the slabs are gathered for the dense head. Under a `tf.distribute.MirroredStrategy` whose replicas
 are the first devices of the spatial groups in `mesh`, the batch is also split across the groups
-(data parallelism) and Keras all-reduces the gradients through the strategy.
+(data parallelism) and Keras all-reduces the gradients through the strategy. `fit`'s datasets come
+split by the strategy; the model splits a `train_on_batch`, `test_on_batch` or `predict_on_batch`
+batch itself, which Keras 3 hands to every replica whole.
 """
 
 from __future__ import annotations
@@ -24,6 +26,54 @@ from tf_ucudnn.parallel import spatial
 
 def _canonical(name: str) -> str:
     return tf_device.canonical_name(name).split("/device:")[-1].upper()
+
+
+def _shared_out(batch, strategy):
+    """A batch (tensors, arrays and Nones, batch-major) as each replica's share of its rows on
+    the replica's device, the shares as even as can be, as a distributed dataset hands out a
+    global batch (shares that differ weigh each replica's mean loss alike, as with `fit`'s last
+    batch). Each share is cut where the batch is, so only it crosses to its device. A batch
+    already per replica stays as it is."""
+    values = tf.nest.flatten(batch)
+    if any(isinstance(value, tf.distribute.DistributedValues) for value in values):
+        return batch
+    devices = strategy.extended.worker_devices
+    tensors = [None if value is None else tf.convert_to_tensor(value) for value in values]
+    rows = next(int(tensor.shape[0]) for tensor in tensors if tensor is not None)
+    if rows < len(devices):
+        raise spatial.SpatialSplitError(
+            f"a batch of {rows} sample(s) cannot be shared by {len(devices)} replicas")
+    sizes = spatial.even_sizes(rows, len(devices))
+    shares = [[] for _ in devices]
+    for tensor in tensors:
+        if tensor is None:
+            parts = [None] * len(devices)
+        else:
+            with tf.device(tensor.device):
+                parts = tf.split(tensor, sizes)
+        for share, device, part in zip(shares, devices, parts):
+            with tf.device(device):
+                share.append(None if part is None else tf.identity(part))
+    per_replica = [tf.nest.pack_sequence_as(batch, share) for share in shares]
+    return strategy.experimental_distribute_values_from_function(
+        lambda context: per_replica[context.replica_id_in_sync_group])
+
+
+def _batches_shared_out(function, strategy):
+    """`function` (Keras's train, test or predict function) with each whole batch it is handed
+    shared out over the replicas first. Keras 3 hands the batch of `train_on_batch` (and of
+    `test_on_batch`, `predict_on_batch`) to every replica whole: each replica trained on all of
+    it, so a step did the replicas' times one device's work for one device's update (Keras
+    divides the loss by the replicas), and predictions came back once per replica. The
+    iterators of `fit`, `evaluate` and `predict`, which the strategy distributes, pass as they
+    are."""
+    def shared_out(batches):
+        if isinstance(batches, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return function(batches)
+        if isinstance(batches, (list, tuple)):  # the predict function indexes its list
+            return function([_shared_out(batch, strategy) for batch in batches])
+        return function(_shared_out(batch, strategy) for batch in batches)
+    return shared_out
 
 
 class SpatialCosmoFlow(keras.Model):
@@ -50,7 +100,8 @@ class SpatialCosmoFlow(keras.Model):
         self.input_size = ((input_size,) * 3 if isinstance(input_size, int)
                            else tuple(input_size))
         self.channels = channels
-        self.mesh = [list(group) for group in mesh] if mesh else [spatial.default_devices(spatial_split)]
+        self.mesh = ([list(group) for group in mesh] if mesh
+                     else [spatial.default_devices(spatial_split)])
         for edge in self.input_size:
             for _ in filters:
                 if edge % 2:
@@ -77,6 +128,25 @@ class SpatialCosmoFlow(keras.Model):
         """As keras.Model.compile, with XLA off unless asked for: tf_ucudnn's ops have no XLA
         kernels (Keras's "auto" turns XLA on for GPUs and would refuse the model)."""
         super().compile(*args, jit_compile=jit_compile, **kwargs)
+
+    def make_train_function(self, force=False):
+        return self._shared_out_function("train_function", super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._shared_out_function("test_function", super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return self._shared_out_function("predict_function", super().make_predict_function,
+                                         force)
+
+    def _shared_out_function(self, attribute: str, make, force: bool):
+        """Keras's function, made by `make`, sharing out whole batches over the replicas."""
+        fresh = force or getattr(self, attribute) is None
+        make(force)
+        strategy = self.distribute_strategy
+        if fresh and strategy.num_replicas_in_sync > 1:
+            setattr(self, attribute, _batches_shared_out(getattr(self, attribute), strategy))
+        return getattr(self, attribute)
 
     def _devices(self) -> list[str]:
         """The spatial group of the current replica (the only group without a strategy)."""

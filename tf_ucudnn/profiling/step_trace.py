@@ -8,7 +8,11 @@ device_tracer_level=1))`, the step, then `stop()`).
 * each GPU's timeline: every op's first start and last end per device, on one clock for all
   GPUs (`gpu_events`, `op_spans`), the time no kernel ran and the longest such gaps with the
   ops around them (`device_timeline`, `gpu_timeline`), and the copies between devices
-  (`cross_device_copies`).
+  (`cross_device_copies`);
+* each CPU device's ops, for logical CPU devices that share the host's threads: the placed
+  partition graphs say which device ran an op (`placed_ops`) and which tensors crossed between
+  devices (`transfers`), and the host's executor threads when it ran (`host_op_spans`, which
+  `device_timeline` reads as it reads a GPU's spans).
 
 Results are plain data: dicts that `json.dump` takes, and frozen dataclasses for
 `dataclasses.asdict`.
@@ -20,8 +24,9 @@ import dataclasses
 import glob
 import os
 import re
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
+import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 GPU_PLANE = "/device:GPU"
@@ -43,6 +48,17 @@ class GpuEvent:
     end_ms: float
     copy: bool
     bytes: Optional[int] = None  # a copy's size, where the tracer recorded it
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """A tensor that TensorFlow's runtime moves from one device to another inside a function
+    (one _Send/_Recv pair of its partition graphs)."""
+
+    tensor: str  # the sent tensor: "op" or "op:1"
+    source: str  # "/device:CPU:0"
+    target: str
+    bytes: Optional[int]  # where the graph knows its shape (a function's argument, say)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,3 +249,76 @@ def cross_device_copies(events: list[GpuEvent]) -> dict[str, list[dict]]:
                 {"op": f"{event.op}:{event.op_type}", "kind": event.name,
                  "start_ms": event.start_ms, "end_ms": event.end_ms, "bytes": event.bytes})
     return copies
+
+
+def short_device(name: str) -> str:
+    """"/device:CPU:1" from "/job:localhost/replica:0/task:0/device:CPU:1", as profiles name
+    their planes."""
+    return "/device:" + name.split("/device:")[-1]
+
+
+def placed_ops(function_graphs: Iterable) -> dict[str, str]:
+    """Each op's device, from the partition graphs of the functions TensorFlow ran:
+    `RunMetadata.function_graphs`, which the runtime fills when a function is first run
+    (`tensorflow.python.eager.context.enable_run_metadata()` before that call,
+    `export_run_metadata()` after)."""
+    return {node.name: short_device(node.device) for function in function_graphs
+            for graph in function.partition_graphs for node in graph.node}
+
+
+def _tensor_bytes(node, output: int) -> Optional[int]:
+    """The bytes of a node's output where the node records its shape and its one type."""
+    shapes, dtype = node.attr["_output_shapes"].list.shape, node.attr["T"].type
+    if len(shapes) <= output or not dtype or shapes[output].unknown_rank or \
+            any(dim.size < 0 for dim in shapes[output].dim):
+        return None
+    size = tf.dtypes.as_dtype(dtype).size
+    for dim in shapes[output].dim:
+        size *= dim.size
+    return size
+
+
+def transfers(function_graphs: Iterable) -> list[Transfer]:
+    """The tensors each function's partition graphs send from one device to another (control
+    edges left out), with their bytes where the graph knows the sent tensor's shape."""
+    found = []
+    for function in function_graphs:
+        for graph in function.partition_graphs:
+            nodes = {node.name: node for node in graph.node}
+            for node in graph.node:
+                if node.op != "_Send" or node.input[0].startswith("^"):
+                    continue
+                name, _, output = node.input[0].partition(":")
+                found.append(Transfer(
+                    node.input[0], short_device(node.attr["send_device"].s.decode()),
+                    short_device(node.attr["recv_device"].s.decode()),
+                    _tensor_bytes(nodes[name], int(output or 0)) if name in nodes else None))
+    return found
+
+
+def host_op_spans(space: xplane_pb2.XSpace, placed: Mapping[str, str],
+                  unplaced: str = "unplaced") -> dict[str, dict[str, Span]]:
+    """Each op's run on the host's executor threads (tf_Compute lines, and the collective ops'
+    own lines), per device by `placed` (an op it lacks goes under `unplaced`): {device: {op:
+    Span}} in ms from the first op's start, as `op_spans` gives for GPUs. The runtime's
+    transfers (_Send, _Recv) count as copies, which `device_timeline` leaves aside."""
+    found = []
+    for plane in space.planes:
+        if plane.name.startswith(GPU_PLANE):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith(("tf_Compute", "collective_ops")):
+                continue
+            for event in line.events:
+                op = _op(plane.event_metadata[event.metadata_id].name)
+                if op:
+                    start_ps = line.timestamp_ns * 1000 + event.offset_ps
+                    found.append((start_ps, start_ps + event.duration_ps, op))
+    origin = min((start for start, *_ in found), default=0)
+    spans: dict = {}
+    for start, end, (op, op_type) in found:
+        device = spans.setdefault(placed.get(op, unplaced), {})
+        first, last = (start - origin) / 1e9, (end - origin) / 1e9
+        span = device.get(op, Span(first, last, op_type in TRANSFER_OPS))
+        device[op] = Span(min(span.first_ms, first), max(span.last_ms, last), span.copy)
+    return spans
