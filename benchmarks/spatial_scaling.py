@@ -12,6 +12,15 @@ needs more than one GPU of that size. Without GPUs, `--smoke` runs it on logical
 volume, to check the script. `--sections strong timeline` traces one step on one GPU and on the
 most, to show where the devices wait for each other: each GPU's time with no kernel, its longest
 gaps with the ops around them, its kernel time per op type, and its copies to or from the others.
+
+`--workers 1 2 4` measures data parallelism across worker processes instead (TensorFlow's
+MultiWorkerMirroredStrategy, `tf_ucudnn.parallel.multi_worker`): for each count, that many local
+workers, each splitting its `--batch` samples over `--spatial` GPUs of its own (logical CPUs
+with `--smoke`), their img/s. With TF_CONFIG set, `--workers` alone makes this process one
+worker of the cluster it names, and worker 0 writes the result.
+
+    python benchmarks/spatial_scaling.py --workers 1 2 --spatial 2 --edge 128 --batch 4 \\
+        --out benchmarks/results/spatial_scaling_workers.json
 """
 
 from __future__ import annotations
@@ -19,9 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -128,6 +140,85 @@ def _copy_bandwidth(source: str, target: str, megabytes: int = 256) -> float:
     return (megabytes << 20) / best
 
 
+WORKERS_TIMEOUT_S = 3600  # one cluster's run, start to end
+
+
+def _worker_args(args, data: str, workers: int) -> list[str]:
+    """The arguments of `python -m tf_ucudnn.parallel.multi_worker` for a cluster of
+    `workers`, one step more than timed (the first traces)."""
+    filters = FILTERS[:3] if args.smoke else FILTERS
+    return [data, "--spatial-split", str(args.spatial), "--global-batch",
+            str(args.batch * workers), "--steps", str(args.steps + 1),
+            "--filters", *map(str, filters), "--learning-rate", "1e-3"]
+
+
+def _workers_row(run: dict, spatial: int) -> dict:
+    workers = run["layout"]["num_workers"]
+    return {"workers": workers, "spatial": spatial, "global_batch": run["layout"]["global_batch"],
+            "step_s": float(np.median(run["step_seconds"][1:])),
+            "images_per_s": run["images_per_second"],
+            "images_per_s_per_worker": run["images_per_second"] / workers}
+
+
+def _multi_worker(args) -> Optional[dict]:
+    """Img/s of data parallelism across worker processes, each with a spatial group of its own:
+    local clusters of each count in `args.workers`, or (TF_CONFIG set) this worker's share of
+    the cluster it names, which worker 0 reports."""
+    from tf_ucudnn.parallel import multi_worker
+    from tf_ucudnn.parallel.data import make_synthetic_volumes
+    from tf_ucudnn.parallel.local_cluster import LocalCluster
+
+    workdir = tempfile.mkdtemp(prefix="spatial_scaling_workers")
+    data = os.path.join(workdir, "volumes.h5")
+    results = {"benchmark": "spatial_scaling", "mode": "multi_worker",
+               "tensorflow": tf.__version__, "edge": args.edge, "batch_per_worker": args.batch,
+               "spatial": args.spatial, "steps": args.steps, "workers": []}
+    try:
+        if "TF_CONFIG" in os.environ:
+            if args.workers:
+                raise SystemExit("with TF_CONFIG set, --workers takes no counts: this process "
+                                 "is one worker of the cluster TF_CONFIG names")
+            workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+            make_synthetic_volumes(data, args.batch * workers, args.edge, args.channels)
+            run = multi_worker.main(_worker_args(args, data, workers))
+            if run.layout["index"]:
+                return None
+            results["workers"].append(_workers_row(run.to_json(), args.spatial))
+            return results
+        if not args.workers:
+            raise SystemExit("--workers: worker counts to run, or TF_CONFIG set to join its "
+                             "cluster")
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        if not args.smoke and gpus < max(args.workers) * args.spatial:
+            raise SystemExit(f"{max(args.workers)} workers x {args.spatial} GPUs asked for, "
+                             f"{gpus} visible")
+        make_synthetic_volumes(data, args.batch * max(args.workers), args.edge, args.channels)
+
+        def env(index):  # each worker its own GPUs, or none (logical CPUs) for the smoke test
+            first = index * args.spatial
+            return {"CUDA_VISIBLE_DEVICES": "" if args.smoke else ",".join(
+                map(str, range(first, first + args.spatial)))}
+
+        for workers in args.workers:
+            out = os.path.join(workdir, f"{workers}_workers_{{index}}.json")
+            with LocalCluster(lambda index: [
+                    sys.executable, "-m", "tf_ucudnn.parallel.multi_worker",
+                    *_worker_args(args, data, workers), "--out", out], workers,
+                    os.path.join(workdir, f"{workers}_workers_logs"), env) as cluster:
+                statuses = cluster.wait(WORKERS_TIMEOUT_S)
+                failed = next((i for i, status in enumerate(statuses) if status), None)
+                if failed is not None:
+                    raise SystemExit(f"worker {failed} of {workers} exited with "
+                                     f"{statuses[failed]}:\n{cluster.output(failed)[-3000:]}")
+            with open(out.format(index=0)) as chief:
+                row = _workers_row(json.load(chief), args.spatial)
+            results["workers"].append(row)
+            print("workers", row, flush=True)
+        return results
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--edge", type=int, default=128)
@@ -148,9 +239,21 @@ def main():
                         "one strong-scaling step on one device and on the most, and records "
                         "each GPU's busy and idle time, its longest gaps, its kernel time per op "
                         "type and its copies between devices")
+    parser.add_argument("--workers", type=int, nargs="*",
+                        help="worker process counts to measure instead of the sections: data "
+                        "parallelism across local worker processes, `--batch` samples each; "
+                        "with TF_CONFIG set, give no count to be one worker of its cluster")
+    parser.add_argument("--spatial", type=int, default=2,
+                        help="with --workers, the devices each worker splits its samples over")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.workers is not None:
+        results = _multi_worker(args)
+        if results:
+            with open(args.out, "w") as out:
+                json.dump(results, out, indent=1)
+        return
     all_devices = _setup_devices(args.smoke, max(args.devices), args.memory_limit_gib)
 
     from tf_ucudnn.parallel import spatial

@@ -5,10 +5,18 @@ import json
 
 import pytest
 
-from tf_ucudnn.parallel.scaling import (Cluster, Connection, Link, activation_bytes,
-                                        allreduce_seconds, cluster_step_cost,
-                                        cosmoflow_parameters, cosmoflow_step_cost,
-                                        recommend_split, strong_scaling)
+from tf_ucudnn.parallel.scaling import (
+    Cluster,
+    Connection,
+    Link,
+    activation_bytes,
+    allreduce_seconds,
+    cluster_step_cost,
+    cosmoflow_parameters,
+    cosmoflow_step_cost,
+    recommend_split,
+    strong_scaling,
+)
 
 LINK = Link(flops=1e12, halo_bandwidth=1e9, allreduce_bandwidth=1e9)
 

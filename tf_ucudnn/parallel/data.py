@@ -4,6 +4,9 @@ volumes in HDF5, chunked along the split dimension, so that a slab read touches 
     write_volumes("cosmo.h5", volumes, targets)   # or make_synthetic_volumes(...)
     dataset = slab_dataset("cosmo.h5", slab_sizes=[64, 64], batch_size=8)
     model.fit(dataset)   # a SpatialCosmoFlow with spatial_split=2 takes the slabs as its input
+
+Across workers (data parallelism over processes, `parallel.multi_worker`), each worker reads only
+its own samples' slabs: `slab_dataset(..., num_workers=4, worker_index=1)`.
 """
 
 from __future__ import annotations
@@ -44,8 +47,19 @@ def make_synthetic_volumes(path: str, samples: int, size: int, channels: int = 4
 
 
 def slab_dataset(path: str, slab_sizes: Optional[Sequence[int]] = None, devices: int = 1,
-                 batch_size: int = 1) -> tf.data.Dataset:
-    """((slab_0, ..., slab_k), target) batches: each slab read on its own, rows of the depth."""
+                 batch_size: int = 1, num_workers: int = 1, worker_index: int = 0,
+                 first_batch: int = 0, repeat: bool = False) -> tf.data.Dataset:
+    """((slab_0, ..., slab_k), target) batches: each slab read on its own, rows of the depth.
+
+    Over `num_workers` workers, worker `worker_index` reads only its own samples: those at
+    positions worker_index, worker_index + num_workers, ... of each global batch of
+    `num_workers * batch_size` samples (`batch_size` is this worker's share), so that together
+    the workers' batches are the global batch one worker would read. Every worker gets the same
+    number of batches: the samples past the last whole global batch are left out. `first_batch`
+    starts at that global batch without reading the ones before (a run resumed from a
+    checkpoint); `repeat` goes on past the last sample, epoch after epoch."""
+    if not 0 <= worker_index < num_workers:
+        raise ValueError(f"worker_index {worker_index} is not one of {num_workers} workers")
     with h5py.File(path, "r") as file:
         samples, depth = file[VOLUMES].shape[:2]
         shape, dtype = file[VOLUMES].shape[2:], file[VOLUMES].dtype
@@ -53,6 +67,10 @@ def slab_dataset(path: str, slab_sizes: Optional[Sequence[int]] = None, devices:
     sizes = list(slab_sizes or even_sizes(depth, devices))
     if sum(sizes) != depth:
         raise ValueError(f"slab sizes {sizes} do not cover the depth of {depth} in {path}")
+    global_batch = num_workers * batch_size
+    if global_batch > samples:
+        raise ValueError(f"a global batch of {global_batch} samples ({num_workers} worker(s) x "
+                         f"{batch_size}) is more than the {samples} samples in {path}")
     starts = np.cumsum([0, *sizes])
 
     def read_slab(sample, index):
@@ -72,5 +90,10 @@ def slab_dataset(path: str, slab_sizes: Optional[Sequence[int]] = None, devices:
                                  [outputs])
         return slabs, target
 
-    return (tf.data.Dataset.range(samples).map(load)
-            .batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+    # Skipped and shared out as sample numbers, before any read.
+    indices = tf.data.Dataset.range(samples // global_batch * global_batch)
+    if repeat:
+        indices = indices.repeat()
+    indices = indices.skip(first_batch * global_batch).shard(num_workers, worker_index)
+    return (indices.map(load).batch(batch_size, drop_remainder=True)
+            .prefetch(tf.data.AUTOTUNE))
