@@ -184,6 +184,20 @@ def in_child(arguments: list, memory_limit_gib: float,
     return {}, f"exit status {child.returncode}: " + " | ".join(tail)[-400:], child.stderr
 
 
+class EpochTimer(tf.keras.callbacks.Callback):
+    """Appends each epoch's seconds to `epochs`."""
+
+    def __init__(self, epochs: list):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(time.perf_counter() - self.start)
+
+
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     """One batch size of `keras_fit`, in this process (its child)."""
     import keras
@@ -195,14 +209,18 @@ def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     images = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
     data = tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
 
+    epochs = []
+
     def timed():
-        # The first steps trace and compile.
-        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False)
-        start = time.perf_counter()
-        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
-        return batch * steps / (time.perf_counter() - start)
+        # The first epoch traces and compiles; the second is timed, as the callback's run is.
+        model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False,
+                  callbacks=[EpochTimer(epochs)])
+        return batch * steps / epochs[-1]
     rate, error = _try(timed)
-    return {"jit_compile": bool(model.jit_compile), "img_per_s": rate, "error": error}
+    peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"]
+            if tf.config.list_logical_devices("GPU") else None)
+    return {"jit_compile": bool(model.jit_compile), "img_per_s": rate, "error": error,
+            "epoch_seconds": epochs, "peak_bytes": peak}
 
 
 def _load_model(name: str, smoke: bool):
@@ -351,19 +369,13 @@ def _keras_callback_child(args) -> dict:
         device_model=DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
         micro_batches=args.micro_batches, whole_batches=args.cut is None,
         fuse_batch_norm=args.fuse_batch_norm or False,
-        stream_conv_batch_norm=args.stream_conv_bn, verbose=0)
+        stream_conv_batch_norm=args.stream_conv_bn,
+        batch_norm_statistics=args.batch_norm_statistics, verbose=0)
     epochs = []
-
-    class EpochTimer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            epochs.append(time.perf_counter() - self.start)
 
     def timed():
         model.fit(data, epochs=2, steps_per_epoch=args.steps, verbose=0, shuffle=False,
-                  callbacks=[callback, EpochTimer()])
+                  callbacks=[callback, EpochTimer(epochs)])
         return batch * args.steps / epochs[-1]
     rate, error = _try(timed)
     entry = {"batch": batch, "budget_bytes": int(budget), **setting, "epoch_seconds": epochs,
@@ -425,6 +437,10 @@ def main():
     parser.add_argument("--keras-callback", action="store_true",
                         help="also train the batch and budget of the trial that trained with "
                         "model.fit and tf_ucudnn.MicroBatchCallback, in a child process")
+    parser.add_argument("--batch-norm-statistics", choices=["batch", "micro_batch"],
+                        default="batch", help="MicroBatchCallback's batch_norm_statistics: "
+                        "micro_batch lets a model with batch normalization train in "
+                        "micro-batches, each normalized by its own statistics")
     parser.add_argument("--keras-callback-child", nargs=3, metavar=("MODEL", "BATCH", "BUDGET"),
                         help=argparse.SUPPRESS)  # one --keras-callback run, in a child
     parser.add_argument("--out", required=True)

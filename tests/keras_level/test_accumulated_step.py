@@ -130,6 +130,24 @@ def test_refusals_name_the_reason():
     held = keras.Sequential([keras.Input((10, 10, 3)), frozen])
     held.compile("sgd", "mse")
     assert accumulation_refusal(held) is None  # it normalizes with its moving statistics
+    grouped = keras.Sequential([keras.Input((10, 10, 4)), keras.layers.GroupNormalization(2)])
+    grouped.compile("sgd", "mse")
+    assert accumulation_refusal(grouped) is None  # each sample by its own statistics
+
+
+def test_batch_norm_by_micro_batch_statistics_is_accepted_only_when_asked_for():
+    model = keras.Sequential([keras.Input((10, 10, 3)), keras.layers.Conv2D(4, 3),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Flatten(),
+                              keras.layers.Dense(5)])
+    model.compile("sgd", "mse")
+    assert "batch_norm_statistics='micro_batch'" in accumulation_refusal(model)
+    assert accumulation_refusal(model, "micro_batch") is None
+    with pytest.raises(ValueError, match="one of"):
+        accumulation_refusal(model, "ghost")
+    plan = plan_accumulation(model, 8, 1 << 40, lambda size: tf.function(
+        model.train_step).get_concrete_function(
+            (tf.TensorSpec([size, 10, 10, 3]), tf.TensorSpec([size, 5]))), "micro_batch")
+    assert plan.normalized_per_micro_batch == ["bn"] and plan.micro_batches == 1
 
 
 def test_micro_batch_count_is_the_fewest_equal_parts_within_the_size():

@@ -98,10 +98,64 @@ def test_a_model_normalizing_by_batch_statistics_is_planned_with_swaps_and_recom
                                   verbose=0)
     model, _ = fit(normalized_model, [callback], jit_compile=True, epochs=1)
     assert callback.accumulation is None
-    assert callback.accumulation_refused == ("bn: BatchNormalization normalizes each sample "
-                                             "with statistics of the whole batch")
+    assert callback.accumulation_refused == (
+        "bn: BatchNormalization normalizes each sample with statistics of the whole batch; "
+        "batch_norm_statistics='micro_batch' normalizes each micro-batch by its own statistics "
+        "instead")
     assert callback.memory_plan is not None
     assert model.jit_compile is True  # given back at the end
+
+
+def ghost_batch_norm_fit(micro_batch_size: int):
+    """What `fit` does to `normalized_model` when each batch (16, 16, then 8 samples) trains
+    in equal micro-batches of at most `micro_batch_size`, each normalized by its own statistics
+    and moving the moving statistics, the gradients averaged into one SGD update."""
+    keras.utils.set_random_seed(1)
+    model = normalized_model()
+    optimizer = keras.optimizers.SGD(0.1)
+    loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(40, 12, 12, 3).astype("float32"), np.arange(40) % 4
+    for start in range(0, 40, 16):
+        xb, yb = x[start:start + 16], y[start:start + 16]
+        size = max(d for d in range(1, micro_batch_size + 1) if len(xb) % d == 0)
+        count = len(xb) // size
+        sums = [tf.zeros_like(w) for w in model.trainable_weights]
+        for i in range(count):
+            with tf.GradientTape() as tape:
+                loss = loss_of(yb[i * size:(i + 1) * size],
+                               model(xb[i * size:(i + 1) * size], training=True))
+            grads = tape.gradient(loss, model.trainable_weights)
+            sums = [s + g / count for s, g in zip(sums, grads)]
+        optimizer.apply_gradients(zip(sums, model.trainable_weights))
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_batch_norm_by_micro_batch_statistics_is_asked_for_and_trains_as_ghost_batches(
+        jit_compile):
+    probe = MicroBatchCallback(None, memory_budget=1 << 40, batch_norm_statistics="micro_batch",
+                               verbose=0)
+    fit(normalized_model, [probe], jit_compile, epochs=1)
+    assert probe.accumulation.micro_batches == 1
+    budget = int(probe.accumulation.predicted_peak_bytes * 0.75)
+    callback = MicroBatchCallback(None, memory_budget=budget, batch_norm_statistics="micro_batch",
+                                  verbose=0)
+    model, _ = fit(normalized_model, [callback], jit_compile, epochs=1)
+    plan = callback.accumulation
+    assert callback.accumulation_refused is None and plan.micro_batches > 1
+    assert plan.normalized_per_micro_batch == ["bn"]
+    assert "batch normalization by each micro-batch's statistics: bn" in plan.to_text()
+    assert model.jit_compile is jit_compile  # XLA kept
+    expected = ghost_batch_norm_fit(plan.micro_batch_size)
+    # The moving statistics too: each micro-batch moved them.
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_statistics_must_be_batch_or_micro_batch():
+    with pytest.raises(ValueError, match="batch_norm_statistics must be one of"):
+        MicroBatchCallback(None, memory_budget="1GiB", batch_norm_statistics="ghost")
 
 
 def test_accumulation_can_be_turned_off():

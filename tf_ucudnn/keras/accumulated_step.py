@@ -9,6 +9,12 @@ micro-batches are one loop in one compiled step, so the step keeps XLA's speed a
 does not fit whole. The micro-batch size is the largest whose step the liveness analysis
 predicts under the budget; a GPU's measured peak can then ask for a smaller one
 (`smaller_after_measuring`), as XLA's buffers are not TensorFlow's.
+
+A model with batch normalization gets a different update in micro-batches, so it is refused,
+unless the user asks for each micro-batch to be normalized by its own statistics
+(`batch_norm_statistics="micro_batch"`: ghost batch normalization, Hoffer et al. 2017), as
+large-batch training often does on purpose. The moving statistics are then updated once per
+micro-batch, as each micro-batch is a batch to the layer.
 """
 
 from __future__ import annotations
@@ -26,19 +32,45 @@ from tf_ucudnn.keras.microbatched_prefix import batch_dependent_layers
 from tf_ucudnn.memory.analysis.liveness import analyze
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
+# Which batch a batch normalization takes its statistics from in micro-batches: the whole
+# batch's (exact; then the step is not run in micro-batches) or each micro-batch's own.
+BATCH_NORM_STATISTICS = ("batch", "micro_batch")
 
 
 class AccumulationError(TfUcudnnError, ValueError):
     """The step cannot be micro-batched under the budget; says why."""
 
 
-def accumulation_refusal(model: tf.keras.Model) -> Optional[str]:
-    """Why `model`'s step in micro-batches would not compute the whole batch's update, or None."""
-    dependent = batch_dependent_layers(model)
+def check_batch_norm_statistics(value: str) -> str:
+    if value not in BATCH_NORM_STATISTICS:
+        raise ValueError(f"batch_norm_statistics must be one of {BATCH_NORM_STATISTICS}, "
+                         f"not {value!r}")
+    return value
+
+
+def normalized_per_micro_batch(model: tf.keras.Model, batch_norm_statistics: str) -> list:
+    """The layers that normalize by each micro-batch's statistics in micro-batches."""
+    if check_batch_norm_statistics(batch_norm_statistics) == "batch":
+        return []
+    return [layer for layer in batch_dependent_layers(model)
+            if isinstance(layer, tf.keras.layers.BatchNormalization)]
+
+
+def accumulation_refusal(model: tf.keras.Model,
+                         batch_norm_statistics: str = "batch") -> Optional[str]:
+    """Why `model`'s step in micro-batches would not compute the whole batch's update (or, with
+    `batch_norm_statistics="micro_batch"`, that update with each batch normalization taking its
+    micro-batch's statistics), or None."""
+    per_micro_batch = normalized_per_micro_batch(model, batch_norm_statistics)
+    dependent = [layer for layer in batch_dependent_layers(model)
+                 if layer not in per_micro_batch]
     if dependent:
         more = f" (and {len(dependent) - 1} more)" if len(dependent) > 1 else ""
+        hint = ("; batch_norm_statistics='micro_batch' normalizes each micro-batch by its own "
+                "statistics instead" if isinstance(dependent[0],
+                                                   tf.keras.layers.BatchNormalization) else "")
         return (f"{dependent[0].name}{more}: {type(dependent[0]).__name__} normalizes each "
-                "sample with statistics of the whole batch")
+                f"sample with statistics of the whole batch{hint}")
     if getattr(model, "optimizer", None) is None:
         return "the model is not compiled with an optimizer"
     for loss in tf.nest.flatten(getattr(model, "loss", None)):
@@ -68,6 +100,8 @@ class AccumulationPlan:
     predicted_peak_bytes: int
     measured_peak_bytes: Optional[int] = None
     passed_over: list[str] = dataclasses.field(default_factory=list)
+    # Layers normalizing by each micro-batch's statistics, not the whole batch's.
+    normalized_per_micro_batch: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def micro_batches(self) -> int:
@@ -83,15 +117,23 @@ class AccumulationPlan:
                  f"{self.micro_batch_size}, gradients summed: peak predicted "
                  f"{format_bytes(self.predicted_peak_bytes)}{measured} under a budget of "
                  f"{format_bytes(self.budget_bytes)}"]
+        if self.normalized_per_micro_batch and self.micro_batches > 1:
+            names = self.normalized_per_micro_batch
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            lines.append(f"  batch normalization by each micro-batch's statistics: "
+                         f"{', '.join(names[:3])}{more}")
         return "\n".join(lines + [f"  passed over: {why}" for why in self.passed_over])
 
 
 def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
-                      trace: Callable[[int], object]) -> AccumulationPlan:
+                      trace: Callable[[int], object],
+                      batch_norm_statistics: str = "batch") -> AccumulationPlan:
     """The largest micro-batch size that divides `batch` and whose step (`trace(size)`, a
     ConcreteFunction of the model's own train step at that batch) the liveness analysis
     predicts under `budget_bytes` with the gradients' sums beside it. AccumulationError if even
-    one sample does not fit."""
+    one sample does not fit. `batch_norm_statistics` as in `accumulation_refusal`."""
+    per_micro_batch = [layer.name for layer in
+                       normalized_per_micro_batch(model, batch_norm_statistics)]
     sums = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
                for w in model.trainable_weights)
     passed_over = []
@@ -101,7 +143,8 @@ def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
         predicted = report.peak_bytes + report.persistent_bytes + (sums if size < batch else 0)
         if predicted <= budget_bytes:
             return AccumulationPlan(batch, size, budget_bytes, predicted,
-                                    passed_over=passed_over)
+                                    passed_over=passed_over,
+                                    normalized_per_micro_batch=per_micro_batch)
         passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}")
         if size == 1:
             raise AccumulationError(

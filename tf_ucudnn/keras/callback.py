@@ -37,6 +37,7 @@ from tf_ucudnn.keras.accumulated_step import (
     AccumulationPlan,
     accumulated_train_step,
     accumulation_refusal,
+    check_batch_norm_statistics,
     plan_accumulation,
     train_first_batch,
 )
@@ -106,6 +107,12 @@ class MicroBatchCallback(keras.callbacks.Callback):
         stops training with a BudgetError or AccumulationError saying by how much.
       accumulate_gradients: False to plan swaps and recomputations under a memory budget even
         where the whole step could run in micro-batches with its gradients summed.
+      batch_norm_statistics: under a memory budget, "batch" (the default) keeps each batch
+        normalization's statistics the whole batch's, so a model with one is not run in
+        micro-batches; "micro_batch" lets it be, each micro-batch normalized by its own
+        statistics (ghost batch normalization) and the moving statistics updated once per
+        micro-batch: a different update from the whole batch's, asked for by name. The layers
+        are listed in `accumulation.normalized_per_micro_batch`.
       micro_batches: the micro-batch counts the first layers may run in under a memory budget
         (none: whole batches only).
       whole_batches: False to run the first layers in micro-batches under a memory budget even
@@ -136,7 +143,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  planner: Optional[LayerPlanner] = None,
                  *, database: Optional[str] = None, profiles=(),
                  memory_budget: Union[int, str, None] = None, device_model=None,
-                 accumulate_gradients: bool = True,
+                 accumulate_gradients: bool = True, batch_norm_statistics: str = "batch",
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
                  trial_steps: int = 5, verbose: int = 1):
@@ -151,6 +158,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._device_model = device_model
         self.whole_batches = whole_batches
         self.accumulate_gradients = accumulate_gradients
+        self.batch_norm_statistics = check_batch_norm_statistics(batch_norm_statistics)
         self.memory_plan: Optional[KerasStepPlan] = None
         self.accumulation: Optional[AccumulationPlan] = None
         self.accumulation_refused: Optional[str] = None
@@ -207,7 +215,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.accumulation = None
         self.accumulation_refused = (
             None if self.options.memory_budget is None else
-            accumulation_refusal(self.model) if self.accumulate_gradients else
+            accumulation_refusal(self.model, self.batch_norm_statistics)
+            if self.accumulate_gradients else
             "accumulate_gradients=False")
         if self.options.memory_budget is not None and self.model.jit_compile and \
                 self.accumulation_refused is not None:
@@ -355,7 +364,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 tf.nest.map_structure(resized, specs))
 
         self.accumulation = plan_accumulation(self.model, batch, self.options.memory_budget,
-                                              trace)
+                                              trace, self.batch_norm_statistics)
         self._accumulate(self.accumulation.micro_batch_size)
 
     def _accumulate(self, micro_batch_size: int) -> None:

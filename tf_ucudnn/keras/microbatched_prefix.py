@@ -41,7 +41,8 @@ from tf_ucudnn.keras.batch_norm_forms import (
     update_moving_statistics,
 )
 
-_BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization", "GroupNormalization")
+# Group normalization is not among them: it normalizes each sample by its own statistics.
+_BATCH_DEPENDENT = ("BatchNormalization", "SyncBatchNormalization")
 
 
 @dataclasses.dataclass(frozen=True)
