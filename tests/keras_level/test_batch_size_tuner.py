@@ -67,3 +67,39 @@ def test_a_keras_model_tunes_with_micro_batched_first_layers_where_they_are_need
     assert all(t.peak_bytes <= budget for t in report.trials)
     assert report.best == max(report.trials, key=lambda t: t.images_per_second)
     assert "up to pool1 in" in report.to_text()
+    assert report.accumulation_refused == "the model is not compiled with an optimizer"
+
+
+def test_a_compiled_keras_model_tunes_its_whole_step_in_micro_batches_as_the_callback_would():
+    from training_steps import SLOW_LINK, pooled_conv_model
+
+    from tf_ucudnn.keras.accumulated_step import AccumulationPlan
+    from tf_ucudnn.keras.batch_size_tuner import tune_keras_batch_size
+
+    model = pooled_conv_model()
+    model.compile(tf.keras.optimizers.SGD(0.01),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    whole_16 = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([16, *model.input_shape[1:]]), tf.TensorSpec([16], tf.int32)))
+    budget = plan_step_memory(whole_16, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
+    measured_ms = {}
+
+    def step_ms(size):  # a made-up measurement: a fixed cost per step and one per sample
+        measured_ms[size] = 2.0 + 0.25 * size
+        return measured_ms[size]
+    report = tune_keras_batch_size(model, (8, 16, 64), budget, SLOW_LINK, step_ms=step_ms)
+    by_batch = {t.batch_size: t for t in report.trials}
+    assert report.accumulation_refused is None
+    assert by_batch[16].accumulated_micro_batch == 16 and by_batch[16].micro_batches == 1
+    big = by_batch[64]
+    assert big.accumulated_micro_batch < 64 and big.micro_batches > 1
+    assert big.accumulated_micro_batch * big.micro_batches == 64
+    # Each micro-batch's measured time, once per micro-batch.
+    assert big.step_ms == measured_ms[big.accumulated_micro_batch] * big.micro_batches
+    assert big.images_per_second == 64 / big.step_ms * 1e3
+    assert all(t.peak_bytes <= budget for t in report.trials)
+    # The fixed cost per step is paid once per micro-batch: the largest micro-batch wins.
+    assert report.best.accumulated_micro_batch == max(t.accumulated_micro_batch
+                                                      for t in report.trials)
+    assert isinstance(report.plan, AccumulationPlan)
+    assert "micro-batches of" in report.to_text() and report.to_json()["plan"]["batch"] > 0

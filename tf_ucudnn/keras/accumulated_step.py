@@ -38,7 +38,12 @@ BATCH_NORM_STATISTICS = ("batch", "micro_batch")
 
 
 class AccumulationError(TfUcudnnError, ValueError):
-    """The step cannot be micro-batched under the budget; says why."""
+    """The step cannot be micro-batched under the budget; says why (and, where one sample's
+    step was predicted, its peak)."""
+
+    def __init__(self, message: str, predicted_peak_bytes: Optional[int] = None):
+        super().__init__(message)
+        self.predicted_peak_bytes = predicted_peak_bytes
 
 
 def check_batch_norm_statistics(value: str) -> str:
@@ -149,7 +154,8 @@ def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
         if size == 1:
             raise AccumulationError(
                 f"{model.name}: even one sample at a time is predicted to need "
-                f"{format_bytes(predicted)}, over the budget of {format_bytes(budget_bytes)}")
+                f"{format_bytes(predicted)}, over the budget of {format_bytes(budget_bytes)}",
+                predicted)
         # The activations scale with the micro-batch; the variables and the sums do not.
         fixed = report.persistent_bytes + sums
         per_sample = max(predicted - fixed, 1) / size

@@ -2,7 +2,10 @@
 predicted images per second, with its memory plan.
 
 Each candidate batch size's training step is traced and planned; a batch whose step cannot fit the
-budget is reported with the shortfall, not dropped silently.
+budget is reported with the shortfall, not dropped silently. For a compiled Keras model that
+`MicroBatchCallback` would train in micro-batches with the gradients summed
+(`tf_ucudnn.keras.accumulated_step`), each batch is planned that way, as the callback will train
+it: the micro-batch the liveness analysis fits, its step's time once per micro-batch.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ from typing import Callable, Iterable, Optional, Union
 
 import tensorflow as tf
 
+from tf_ucudnn.keras.accumulated_step import (
+    AccumulationError,
+    AccumulationPlan,
+    accumulation_refusal,
+    plan_accumulation,
+)
 from tf_ucudnn.keras.planned_step import plan_keras_step
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.greedy import BudgetError
@@ -32,6 +41,8 @@ class BatchTrial:
     reason: str = ""
     micro_batched_until: Optional[str] = None  # the layers run in micro-batches, if any
     micro_batches: int = 1
+    # The whole step in micro-batches of this size, the gradients summed, if so planned.
+    accumulated_micro_batch: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -39,13 +50,15 @@ class TuningReport:
     budget_bytes: int
     trials: list[BatchTrial]
     best: Optional[BatchTrial]
-    plan: Optional[MemoryPlan]  # the best batch's
+    plan: Union[MemoryPlan, AccumulationPlan, None]  # the best batch's
+    accumulation_refused: Optional[str] = None  # why the steps were not micro-batched whole
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes,
                 "trials": [dataclasses.asdict(t) for t in self.trials],
                 "best": dataclasses.asdict(self.best) if self.best else None,
-                "plan": self.plan.to_json() if self.plan else None}
+                "plan": self.plan.to_json() if self.plan else None,
+                "accumulation_refused": self.accumulation_refused}
 
     def to_text(self) -> str:
         lines = [f"batch-size tuning under {self.budget_bytes / MIB:.1f} MiB"]
@@ -54,7 +67,10 @@ class TuningReport:
                 f"{trial.images_per_second:.1f} img/s predicted ({trial.step_ms:.3f} ms/step, "
                 f"peak {trial.peak_bytes / MIB:.1f} MiB"
                 + (f", up to {trial.micro_batched_until} in {trial.micro_batches} micro-batches"
-                   if trial.micro_batched_until else "") + ")" if trial.images_per_second
+                   if trial.micro_batched_until else "")
+                + (f", {trial.micro_batches} micro-batches of {trial.accumulated_micro_batch}, "
+                   "gradients summed" if trial.accumulated_micro_batch else "")
+                + ")" if trial.images_per_second
                 else f"does not fit: {trial.reason}"))
         lines.append(f"best: batch {self.best.batch_size}" if self.best else
                      "no batch size fits the budget")
@@ -75,17 +91,62 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
                           budget_bytes: int, model: DeviceModel,
                           step_ms: Optional[Callable[[int], float]] = None,
                           fuse_batch_norm: Union[bool, str] = False,
-                          micro_batches: Iterable[int] = (4, 8)) -> TuningReport:
-    """`tune_batch_size` for a Keras model, each batch planned by `plan_keras_step` (its first
-    layers in micro-batches where nothing else fits, as each trial records); `step_ms(batch)`
-    may give the measured step time without a plan, to calibrate the op times."""
+                          micro_batches: Iterable[int] = (4, 8),
+                          accumulate_gradients: bool = True,
+                          batch_norm_statistics: str = "batch") -> TuningReport:
+    """`tune_batch_size` for a Keras model, each batch planned as `MicroBatchCallback` would
+    train it under the budget: where the compiled model allows it (`accumulate_gradients`,
+    `batch_norm_statistics` as the callback takes them), the whole step in micro-batches, the
+    micro-batch's predicted step time (or `step_ms(size)`, measured without a plan) once per
+    micro-batch; otherwise by `plan_keras_step` (its first layers in micro-batches where nothing
+    else fits, as each trial records; `step_ms(batch)` calibrates the op times)."""
+    refused = (accumulation_refusal(keras_model, batch_norm_statistics)
+               if accumulate_gradients else "accumulate_gradients=False")
+    if refused is None:
+        return _tune_accumulated(keras_model, batch_sizes, budget_bytes, model, step_ms,
+                                 batch_norm_statistics)
+
     def plan(batch):
         _, chosen = plan_keras_step(keras_model, batch, budget_bytes, model,
                                     step_ms(batch) if step_ms else None, fuse_batch_norm,
                                     micro_batches)
         return chosen.plan, {"micro_batched_until": chosen.micro_batched_until,
                              "micro_batches": chosen.micro_batches}
-    return _tune(plan, batch_sizes, budget_bytes)
+    report = _tune(plan, batch_sizes, budget_bytes)
+    report.accumulation_refused = refused
+    return report
+
+
+def _tune_accumulated(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
+                      budget_bytes: int, model: DeviceModel,
+                      step_ms: Optional[Callable[[int], float]],
+                      batch_norm_statistics: str) -> TuningReport:
+    """The trials of the whole step in micro-batches, as the callback plans it."""
+    shape = keras_model.input_shape[1:]
+
+    def trace(size):
+        return tf.function(keras_model.train_step).get_concrete_function(
+            (tf.TensorSpec([size, *shape]), tf.TensorSpec([size], tf.int32)))
+
+    trials, best, best_plan = [], None, None
+    for batch in sorted(set(batch_sizes)):
+        try:
+            plan = plan_accumulation(keras_model, batch, budget_bytes, trace,
+                                     batch_norm_statistics)
+        except AccumulationError as error:
+            trials.append(BatchTrial(batch, None, None, error.predicted_peak_bytes or 0,
+                                     str(error)))
+            continue
+        size = plan.micro_batch_size
+        micro_ms = (step_ms(size) if step_ms else plan_step_memory(
+            trace(size), 1 << 62, model).decisions.prediction.step_ms)
+        total_ms = micro_ms * plan.micro_batches
+        trial = BatchTrial(batch, batch / total_ms * 1e3, total_ms, plan.predicted_peak_bytes,
+                           micro_batches=plan.micro_batches, accumulated_micro_batch=size)
+        trials.append(trial)
+        if best is None or trial.images_per_second > best.images_per_second:
+            best, best_plan = trial, plan
+    return TuningReport(budget_bytes, trials, best, best_plan)
 
 
 def _tune(plan_for, batch_sizes: Iterable[int], budget_bytes: int) -> TuningReport:
