@@ -345,6 +345,29 @@ def _trial_child(args) -> dict:
                               args.cut), **setting}
 
 
+def _tune_child(args) -> dict:
+    """`tune_keras_batch_size` for a model compiled as `_keras_callback_child` compiles it, in
+    this process (a child), capped as the trials are: its trials and best batch."""
+    import keras
+
+    from tf_ucudnn.keras import tune_keras_batch_size
+    from tf_ucudnn.memory import DeviceModel
+
+    name, budget, *batches = args.tune_child
+    setting = _child_setup(args)
+    keras.utils.set_random_seed(0)
+    model = _load_model(name, name == "smoke")
+    model.compile(keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = time.perf_counter()
+    report = tune_keras_batch_size(
+        model, [int(b) for b in batches], int(budget),
+        DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
+        batch_norm_statistics=args.batch_norm_statistics)
+    return {**report.to_json(), "tuning_s": time.perf_counter() - start, **setting,
+            "best_batch": report.best.batch_size if report.best else None}
+
+
 def _keras_callback_child(args) -> dict:
     """tf_ucudnn through Keras: `model.fit` with `MicroBatchCallback` under a memory budget, in
     this process (a child), capped as the trials are: the first epoch plans (at its first
@@ -441,6 +464,8 @@ def main():
                         default="batch", help="MicroBatchCallback's batch_norm_statistics: "
                         "micro_batch lets a model with batch normalization train in "
                         "micro-batches, each normalized by its own statistics")
+    parser.add_argument("--tune-child", nargs="+", metavar="MODEL BUDGET BATCH",
+                        help=argparse.SUPPRESS)  # tune_keras_batch_size, in a child
     parser.add_argument("--keras-callback-child", nargs=3, metavar=("MODEL", "BATCH", "BUDGET"),
                         help=argparse.SUPPRESS)  # one --keras-callback run, in a child
     parser.add_argument("--out", required=True)
@@ -459,6 +484,9 @@ def main():
         return
     if args.keras_callback_child:
         print(json.dumps(_keras_callback_child(args)))
+        return
+    if args.tune_child:
+        print(json.dumps(_tune_child(args)))
         return
     # The first step's convolution autotuning would hold uncounted copies of their outputs
     # (tf_ucudnn.memory.apply_memory_plan); TensorFlow's own steps run the same way.

@@ -10,7 +10,9 @@ callback's run trains at `--factor` times that batch under `--budget-fraction` o
 is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps
 `keras_fit` and `keras_callback` per model, as beyond_memory.py writes them, and the callback's run
 says which way it planned the step (the whole step in micro-batches, or swaps and recomputations)
-and its predicted and measured peaks.
+and its predicted and measured peaks. With `--tune FACTOR ...`, `tune_keras_batch_size` then picks
+the best of those multiples of Keras's batch under the same budget (`keras_tuned`), and the
+callback trains the batch it picks (`keras_callback_tuned`), unless it is the one above.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ from beyond_memory import in_child, keras_fit
 STARTS = {"resnet50": 192, "vgg16": 128, "resnet152": 80, "smoke": 8}
 
 
+def train_with_callback(name: str, batch: int, budget: int, fit: dict, args,
+                        environment: dict) -> dict:
+    """`model.fit` with the callback at `batch` under `budget`, in a child, beside `fit`."""
+    callback, failure, _ = in_child(
+        ["--keras-callback-child", name, str(batch), str(budget), "--steps", str(args.steps),
+         "--link-gb-s", *map(str, args.link_gb_s), "--trial-allocator", args.allocator,
+         *args.callback_options], args.memory_limit_gib, environment)
+    callback = callback or {"batch": batch, "error": failure}
+    if callback.get("img_per_s") and fit["img_per_s"]:
+        callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
+    print(name, "callback", batch, json.dumps(callback)[:400], flush=True)
+    return callback
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["vgg16", "resnet50", "resnet152"])
@@ -37,6 +53,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--allocator", choices=["bfc", "cuda_malloc_async"], default="bfc")
     parser.add_argument("--link-gb-s", type=float, nargs=2, default=[25.0, 25.0])
+    parser.add_argument("--tune", type=float, nargs="*", default=[], metavar="FACTOR",
+                        help="also tune the batch among these multiples of Keras's batch")
     parser.add_argument("--callback-options", nargs=argparse.REMAINDER, default=[],
                         help="beyond_memory.py options for the callback's run (last)")
     parser.add_argument("--out", required=True)
@@ -54,16 +72,20 @@ def main():
         if fit["largest_batch_tried"]:
             batch = args.factor * fit["largest_batch_tried"]
             budget = int(args.budget_fraction * args.memory_limit_gib * (1 << 30))
-            callback, failure, _ = in_child(
-                ["--keras-callback-child", name, str(batch), str(budget), "--steps",
-                 str(args.steps), "--link-gb-s", *map(str, args.link_gb_s),
-                 "--trial-allocator", args.allocator, *args.callback_options],
-                args.memory_limit_gib, environment)
-            callback = callback or {"batch": batch, "error": failure}
-            if callback.get("img_per_s") and fit["img_per_s"]:
-                callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
-            entry["keras_callback"] = callback
-            print(name, "callback", json.dumps(callback)[:400], flush=True)
+            entry["keras_callback"] = train_with_callback(name, batch, budget, fit, args,
+                                                          environment)
+            if args.tune:
+                batches = [int(f * fit["largest_batch_tried"]) for f in args.tune]
+                tuned, failure, _ = in_child(
+                    ["--tune-child", name, str(budget), *map(str, batches), "--link-gb-s",
+                     *map(str, args.link_gb_s), "--trial-allocator", args.allocator,
+                     *args.callback_options], args.memory_limit_gib, environment)
+                entry["keras_tuned"] = tuned or {"error": failure}
+                print(name, "tuned", json.dumps(entry["keras_tuned"])[:400], flush=True)
+                best = tuned.get("best_batch")
+                if best and best != batch:
+                    entry["keras_callback_tuned"] = train_with_callback(
+                        name, best, budget, fit, args, environment)
         with open(args.out, "w") as f:  # after each model, lest a time limit lose them all
             json.dump(results, f, indent=1)
 

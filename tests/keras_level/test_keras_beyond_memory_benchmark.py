@@ -1,0 +1,29 @@
+"""benchmarks/keras_beyond_memory.py runs on the CPU (a tiny model, no cap): Keras fit, the
+callback at 4x, and the tuner's pick, each in a process of its own, into one JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
+    out = tmp_path / "results.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "keras_beyond_memory.py"),
+                    "--models", "smoke", "--tries", "1", "--steps", "2", "--tune", "1", "4",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    entry = json.loads(out.read_text())["models"]["smoke"]
+    assert entry["keras_fit"]["largest_batch_tried"] == 8 and entry["keras_fit"]["img_per_s"] > 0
+    callback = entry["keras_callback"]
+    assert callback["batch"] == 32 and callback["img_per_s"] > 0
+    assert callback["accumulation"]["micro_batch_size"] == 32  # no cap: the whole batch fits
+    tuned = entry["keras_tuned"]
+    assert [t["batch_size"] for t in tuned["trials"]] == [8, 32]
+    assert all(t["accumulated_micro_batch"] == t["batch_size"] for t in tuned["trials"])
+    assert tuned["best_batch"] == max(tuned["trials"],
+                                      key=lambda t: t["images_per_second"])["batch_size"]
+    # The callback trains the tuner's pick too, unless it is the 4x batch already measured.
+    assert ("keras_callback_tuned" in entry) == (tuned["best_batch"] != 32)
