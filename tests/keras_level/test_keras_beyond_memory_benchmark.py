@@ -1,5 +1,6 @@
 """benchmarks/keras_beyond_memory.py runs on the CPU (a tiny model, no cap): Keras fit, the
-callback at 4x, and the tuner's pick, each in a process of its own, into one JSON."""
+callback at 4x (twice, in fresh processes), and the tuner's pick, each in a process of its
+own, into one JSON."""
 
 import json
 import os
@@ -13,6 +14,7 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     out = tmp_path / "results.json"
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "keras_beyond_memory.py"),
                     "--models", "smoke", "--tries", "1", "--steps", "2", "--tune", "1", "4",
+                    "--repeats", "2",
                     "--out", str(out)], check=True, capture_output=True, timeout=600,
                    env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     entry = json.loads(out.read_text())["models"]["smoke"]
@@ -20,6 +22,8 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     callback = entry["keras_callback"]
     assert callback["batch"] == 32 and callback["img_per_s"] > 0
     assert callback["accumulation"]["micro_batch_size"] == 32  # no cap: the whole batch fits
+    assert entry["keras_callback_trained"] == 2
+    assert [run["batch"] for run in entry["keras_callback_repeats"]] == [32, 32]
     tuned = entry["keras_tuned"]
     assert [t["batch_size"] for t in tuned["trials"]] == [8, 32]
     assert all(t["accumulated_micro_batch"] == t["batch_size"] for t in tuned["trials"])
