@@ -10,6 +10,8 @@ COMMON_SOURCES = [
     "cc/conv/conv_ops.cc",
     "cc/conv/conv_xla.cc",
     "cc/conv/micro_batch_plan.cc",
+    "cc/fused_conv/fused_conv_cpu.cc",
+    "cc/fused_conv/fused_conv_ops.cc",
     "cc/profile/profile_ops.cc",
     "cc/xla/xla_registration.cc",
 ]
@@ -26,6 +28,8 @@ GPU_SOURCES = [
     "cc/cudnn/environment.cc",
     "cc/cudnn/layout.cc",
     "cc/cudnn/types.cc",
+    "cc/fused_conv/cudnn_fused_convolution.cc",
+    "cc/fused_conv/fused_conv_gpu.cc",
     "cc/profile/profile_gpu.cc",
 ]
 

@@ -52,6 +52,12 @@ class Conv:
         return self.input_shape[0]
 
     @property
+    def groups(self) -> int:
+        """Input channels over the filter's, as TensorFlow's Conv2D takes them."""
+        channels = self.input_shape[-1 if self.channels_last else 1]
+        return channels // self.filter_shape[-2]
+
+    @property
     def spatial_strides(self) -> list:
         return list(self.strides) or [1] * self.nd
 
@@ -163,9 +169,20 @@ def _as64(x):
 
 
 def conv(x, w, cfg: Conv):
-    """The convolution in float64, from tf.nn.conv2d / conv3d (channels-last, dilation 1)."""
+    """The convolution in float64, from tf.nn.conv2d / conv3d (channels-last, dilation 1); a
+    grouped one as one convolution per group, concatenated (TensorFlow's CPU kernels have no
+    grouped float64 or 3-D convolution)."""
     x = _to_channels_last(_as64(x), cfg)
     w = dilate_filter(_as64(w), cfg.spatial_dilations)
+    if cfg.groups > 1:
+        ungrouped = dataclasses.replace(
+            cfg, input_shape=(*x.shape[:-1], w.shape[-2]), filter_shape=tuple(w.shape),
+            data_format=None, dilations=(),
+            padding=cfg.padding if isinstance(cfg.padding, str) or cfg.channels_last
+            else _pads(*_spatial_padding(cfg)))
+        y = tf.concat([conv(xg, wg, ungrouped) for xg, wg in
+                       zip(tf.split(x, cfg.groups, -1), tf.split(w, cfg.groups, -1))], -1)
+        return _from_channels_last(y, cfg)
     padding = cfg.padding
     if _padded_by_hand(cfg):
         x = tf.pad(x, [[0, 0], *_spatial_padding(cfg), [0, 0]])
@@ -309,6 +326,8 @@ def safe_algorithms(kernel: str, cfg: Optional[Conv] = None) -> tuple:
     """
     if cfg is None:
         return SAFE_ALGORITHMS[kernel]
+    if cfg.groups > 1:  # grouped convolutions, not yet run on a GPU: cuDNN's own choice only
+        return ("auto",)
     if cfg.channels_last and cfg.nd == 3:
         return ("auto",)
     if kernel == "bwd_filter" and (cfg.channels_last or max(cfg.spatial_dilations) > 1):
@@ -475,4 +494,22 @@ CONV3D_CASES = [
                                        "NCDHW"), (2, 1)),
     Case("ndhwc-valid-d2-auto", Conv((4, 6, 5, 5, 2), (2, 2, 2, 2, 2), (1, 1, 1), "VALID", "NDHWC",
                                      (2, 2, 2)), ()),
+]
+
+# Grouped convolutions: the groups are the input's channels over the filter's; a depthwise one
+# has one input channel per group.
+GROUPED_CASES = [
+    Case("grouped2-nhwc-same-5=2+3", Conv((5, 7, 7, 4), (3, 3, 2, 6), (1, 1), "SAME", "NHWC"),
+         (2, 3)),
+    Case("grouped3-nchw-same-s12-d21-6=1+5",
+         Conv((6, 6, 9, 8), (3, 2, 2, 9), (1, 2), "SAME", "NCHW", (2, 1)), (1, 5), (6,), (3, 3)),
+    Case("depthwise-nhwc-explicit-s2-4=1+3",
+         Conv((4, 8, 7, 3), (3, 3, 1, 6), (2, 2), _pads((1, 2), (0, 1)), "NHWC"), (1, 3)),
+    Case("depthwise-nchw-valid-whole", Conv((3, 4, 6, 6), (2, 2, 1, 4), (1, 1), "VALID", "NCHW"),
+         (3,)),
+    Case("grouped2-ndhwc-same-4=2+2",
+         Conv((4, 4, 5, 4, 4), (2, 3, 2, 2, 4), (1, 1, 1), "SAME", "NDHWC"), (2, 2)),
+    Case("depthwise-ncdhw-explicit-s212-3=1+2",
+         Conv((3, 2, 5, 4, 6), (2, 2, 3, 1, 2), (2, 1, 2),
+              _pads((1, 0), (0, 1), (1, 1), channels_last=False), "NCDHW"), (1, 2), (3,), (2, 1)),
 ]

@@ -1,6 +1,6 @@
 // CPU kernels: the same micro-batch loop as on the GPU, each micro-batch an im2col followed by one
-// matrix product (Eigen, on TensorFlow's CPU thread pool). The im2col buffer plays the part of the
-// cuDNN workspace: it grows with the micro-batch, up to kMaxPatchBytes.
+// matrix product per group (Eigen, on TensorFlow's CPU thread pool). The im2col buffer plays the
+// part of the cuDNN workspace: it grows with the micro-batch, up to kMaxPatchBytes.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -37,7 +37,8 @@ class CpuConvolution {
         g_(g),
         positions_(g.OutputSpatialSize()),
         taps_(g.FilterSpatialSize()),
-        channels_(g.in_channels),
+        channels_(g.GroupInChannels()),
+        group_outputs_(g.GroupOutChannels()),
         row_(taps_ * channels_),
         in_channel_stride_(g.channels_last ? 1 : g.InputSpatialSize()),
         in_spatial_stride_(g.channels_last ? g.in_channels : 1),
@@ -53,52 +54,67 @@ class CpuConvolution {
   }
 
   void Forward(const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> b) {
-    std::vector<A> filter = Convert(b.filter, g_.FilterSize());
+    std::vector<std::vector<A>> filters = GroupFilters(b.filter);
     ForEachChunk(micro_batches, [&](int64_t first, int64_t count) {
       std::vector<A> patches(count * positions_ * row_);
-      Im2Col(b.input, first, count, patches.data());
-      std::vector<A> out(count * positions_ * g_.out_channels);
-      // Eigen's threaded contraction does not write its result when the contracted dimension is
-      // empty; the zeros `out` starts with are then the right answer.
-      if (row_ > 0) {
-        Matrix(out.data(), count * positions_, g_.out_channels).device(Device()) =
-            Matrix(patches.data(), count * positions_, row_)
-                .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 0));
+      std::vector<A> out(count * positions_ * group_outputs_);
+      for (int64_t group = 0; group < g_.groups; ++group) {
+        Im2Col(b.input, first, count, group, patches.data());
+        // Eigen's threaded contraction does not write its result when the contracted dimension
+        // is empty; zeros are then the right answer.
+        if (row_ > 0) {
+          Matrix(out.data(), count * positions_, group_outputs_).device(Device()) =
+              Matrix(patches.data(), count * positions_, row_)
+                  .contract(Matrix(filters[group].data(), row_, group_outputs_), Dims(1, 0));
+        }
+        ScatterOutput(out.data(), first, count, group, b.output);
       }
-      ScatterOutput(out.data(), first, count, b.output);
     });
   }
 
   void BackpropInput(const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> b) {
-    std::vector<A> filter = Convert(b.filter, g_.FilterSize());
+    std::vector<std::vector<A>> filters = GroupFilters(b.filter);
     ForEachChunk(micro_batches, [&](int64_t first, int64_t count) {
-      std::vector<A> out_grad = GatherOutput(b.output, first, count);
       std::vector<A> patches(count * positions_ * row_);
-      if (g_.out_channels > 0) {  // else the zeros patches starts with (see Forward)
-        Matrix(patches.data(), count * positions_, row_).device(Device()) =
-            Matrix(out_grad.data(), count * positions_, g_.out_channels)
-                .contract(Matrix(filter.data(), row_, g_.out_channels), Dims(1, 1));
+      for (int64_t group = 0; group < g_.groups; ++group) {
+        std::vector<A> out_grad = GatherOutput(b.output, first, count, group);
+        if (group_outputs_ > 0) {  // else zeros (see Forward)
+          Matrix(patches.data(), count * positions_, row_).device(Device()) =
+              Matrix(out_grad.data(), count * positions_, group_outputs_)
+                  .contract(Matrix(filters[group].data(), row_, group_outputs_), Dims(1, 1));
+        } else {
+          std::fill(patches.begin(), patches.end(), A(0));
+        }
+        Col2Im(patches.data(), first, count, group, b.input);
       }
-      Col2Im(patches.data(), first, count, b.input);
     });
   }
 
   void BackpropFilter(const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> b) {
-    std::vector<A> filter_grad(g_.FilterSize(), A(0));
+    std::vector<std::vector<A>> filter_grads(g_.groups,
+                                             std::vector<A>(row_ * group_outputs_, A(0)));
     ForEachChunk(micro_batches, [&](int64_t first, int64_t count) {
       // An empty output (0 positions) adds nothing; Eigen's contraction over the empty dimension
       // would add an uninitialized buffer instead.
       if (count * positions_ == 0) return;
       std::vector<A> patches(count * positions_ * row_);
-      Im2Col(b.input, first, count, patches.data());
-      std::vector<A> out_grad = GatherOutput(b.output, first, count);
-      auto grad = Matrix(filter_grad.data(), row_, g_.out_channels);
-      grad.device(Device()) = grad + Matrix(patches.data(), count * positions_, row_)
-                                         .contract(Matrix(out_grad.data(), count * positions_,
-                                                          g_.out_channels),
-                                                   Dims(0, 0));
+      for (int64_t group = 0; group < g_.groups; ++group) {
+        Im2Col(b.input, first, count, group, patches.data());
+        std::vector<A> out_grad = GatherOutput(b.output, first, count, group);
+        auto grad = Matrix(filter_grads[group].data(), row_, group_outputs_);
+        grad.device(Device()) = grad + Matrix(patches.data(), count * positions_, row_)
+                                           .contract(Matrix(out_grad.data(), count * positions_,
+                                                            group_outputs_),
+                                                     Dims(0, 0));
+      }
     });
-    for (int64_t i = 0; i < g_.FilterSize(); ++i) b.filter[i] = static_cast<T>(filter_grad[i]);
+    // TensorFlow's filter is [row, out_channels]; group g's columns follow group g - 1's.
+    for (int64_t r = 0; r < row_; ++r) {
+      for (int64_t k = 0; k < g_.out_channels; ++k) {
+        b.filter[r * g_.out_channels + k] = static_cast<T>(
+            filter_grads[k / group_outputs_][r * group_outputs_ + k % group_outputs_]);
+      }
+    }
   }
 
  private:
@@ -124,10 +140,16 @@ class CpuConvolution {
     }
   }
 
-  static std::vector<A> Convert(const T* data, int64_t n) {
-    std::vector<A> out(n);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<A>(data[i]);
-    return out;
+  // Each group's [row, group outputs] matrix, out of TensorFlow's filter [row, out_channels].
+  std::vector<std::vector<A>> GroupFilters(const T* filter) const {
+    std::vector<std::vector<A>> filters(g_.groups, std::vector<A>(row_ * group_outputs_));
+    for (int64_t r = 0; r < row_; ++r) {
+      for (int64_t k = 0; k < g_.out_channels; ++k) {
+        filters[k / group_outputs_][r * group_outputs_ + k % group_outputs_] =
+            static_cast<A>(filter[r * g_.out_channels + k]);
+      }
+    }
+    return filters;
   }
 
   // For each (output position, filter tap): the input position it reads, or -1 in the padding.
@@ -160,12 +182,13 @@ class CpuConvolution {
     }
   }
 
-  // patches[(n * positions + p), (t * channels + c)] = input[n, c, source(p, t)]
-  void Im2Col(const T* input, int64_t first, int64_t count, A* patches) {
+  // patches[(n * positions + p), (t * channels + c)] = input[n, group * channels + c, source(p, t)]
+  void Im2Col(const T* input, int64_t first, int64_t count, int64_t group, A* patches) {
     ParallelFor(count * positions_, row_, [&](int64_t begin, int64_t end) {
       for (int64_t np = begin; np < end; ++np) {
         const int64_t n = first + np / positions_, p = np % positions_;
-        const T* sample = input + n * g_.InputSampleSize();
+        const T* sample =
+            input + n * g_.InputSampleSize() + group * channels_ * in_channel_stride_;
         A* dst = patches + np * row_;
         for (int64_t t = 0; t < taps_; ++t, dst += channels_) {
           const int64_t source = tap_source_[p * taps_ + t];
@@ -180,10 +203,12 @@ class CpuConvolution {
     });
   }
 
-  // The transpose of Im2Col, summing overlapping taps; work is split by sample so writes are disjoint.
-  void Col2Im(const A* patches, int64_t first, int64_t count, T* input_grad) {
+  // The transpose of Im2Col, summing overlapping taps, into the group's channels of the input
+  // gradient; work is split by sample so writes are disjoint.
+  void Col2Im(const A* patches, int64_t first, int64_t count, int64_t group, T* input_grad) {
     ParallelFor(count, positions_ * row_, [&](int64_t begin, int64_t end) {
-      std::vector<A> sample_grad(g_.InputSampleSize());
+      // [spatial, channels] of one sample, whatever the layout.
+      std::vector<A> sample_grad(g_.InputSpatialSize() * channels_);
       for (int64_t local = begin; local < end; ++local) {
         std::fill(sample_grad.begin(), sample_grad.end(), A(0));
         for (int64_t p = 0; p < positions_; ++p) {
@@ -191,32 +216,38 @@ class CpuConvolution {
           for (int64_t t = 0; t < taps_; ++t, src += channels_) {
             const int64_t source = tap_source_[p * taps_ + t];
             if (source < 0) continue;
-            A* dst = sample_grad.data() + source * in_spatial_stride_;
-            for (int64_t c = 0; c < channels_; ++c) dst[c * in_channel_stride_] += src[c];
+            A* dst = sample_grad.data() + source * channels_;
+            for (int64_t c = 0; c < channels_; ++c) dst[c] += src[c];
           }
         }
-        T* out = input_grad + (first + local) * g_.InputSampleSize();
-        for (int64_t i = 0; i < g_.InputSampleSize(); ++i) out[i] = static_cast<T>(sample_grad[i]);
+        T* out = input_grad + (first + local) * g_.InputSampleSize() +
+                 group * channels_ * in_channel_stride_;
+        for (int64_t x = 0; x < g_.InputSpatialSize(); ++x) {
+          for (int64_t c = 0; c < channels_; ++c) {
+            out[x * in_spatial_stride_ + c * in_channel_stride_] =
+                static_cast<T>(sample_grad[x * channels_ + c]);
+          }
+        }
       }
     });
   }
 
-  // Output tensors (either layout) <-> a [count * positions, out_channels] matrix.
-  void ScatterOutput(const A* matrix, int64_t first, int64_t count, T* output) {
-    const int64_t k = g_.out_channels;
+  // A group's output channels (either layout) <-> a [count * positions, group outputs] matrix.
+  void ScatterOutput(const A* matrix, int64_t first, int64_t count, int64_t group, T* output) {
+    const int64_t k = group_outputs_;
     for (int64_t np = 0; np < count * positions_; ++np) {
       T* dst = output + (first + np / positions_) * g_.OutputSampleSize() +
-               (np % positions_) * out_spatial_stride_;
+               (np % positions_) * out_spatial_stride_ + group * k * out_channel_stride_;
       for (int64_t c = 0; c < k; ++c) dst[c * out_channel_stride_] = static_cast<T>(matrix[np * k + c]);
     }
   }
 
-  std::vector<A> GatherOutput(const T* output, int64_t first, int64_t count) {
-    const int64_t k = g_.out_channels;
+  std::vector<A> GatherOutput(const T* output, int64_t first, int64_t count, int64_t group) {
+    const int64_t k = group_outputs_;
     std::vector<A> matrix(count * positions_ * k);
     for (int64_t np = 0; np < count * positions_; ++np) {
       const T* src = output + (first + np / positions_) * g_.OutputSampleSize() +
-                     (np % positions_) * out_spatial_stride_;
+                     (np % positions_) * out_spatial_stride_ + group * k * out_channel_stride_;
       for (int64_t c = 0; c < k; ++c) matrix[np * k + c] = static_cast<A>(src[c * out_channel_stride_]);
     }
     return matrix;
@@ -224,7 +255,9 @@ class CpuConvolution {
 
   tensorflow::OpKernelContext* ctx_;
   const ConvGeometry& g_;
-  const int64_t positions_, taps_, channels_, row_;
+  const int64_t positions_, taps_;
+  const int64_t channels_, group_outputs_;  // of one group
+  const int64_t row_;
   const int64_t in_channel_stride_, in_spatial_stride_;
   const int64_t out_channel_stride_, out_spatial_stride_;
   std::vector<int64_t> tap_source_;

@@ -151,6 +151,25 @@ absl::Status ComputeWindowedSize(int64_t input, int64_t filter, int64_t stride, 
   return absl::OkStatus();
 }
 
+absl::Status ComputeGroups(int64_t in_channels, int64_t filter_in_channels, int64_t out_channels,
+                           int64_t* groups) {
+  *groups = 1;
+  if (filter_in_channels == in_channels) return absl::OkStatus();
+  if (filter_in_channels <= 0 || in_channels % filter_in_channels != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the input's depth ", in_channels, " is not a multiple of the filter's input depth ",
+        filter_in_channels, " (a grouped convolution has input depth / filter input depth "
+        "groups)"));
+  }
+  *groups = in_channels / filter_in_channels;
+  if (out_channels % *groups != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the filter's output depth ", out_channels, " is not a multiple of the ", *groups,
+        " groups (input depth ", in_channels, " / filter input depth ", filter_in_channels, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ComputeConvGeometry(const ConvAttrs& attrs, const std::vector<int64_t>& input_shape,
                                  const std::vector<int64_t>& filter_shape,
                                  ConvGeometry* geometry) {
@@ -168,12 +187,11 @@ absl::Status ComputeConvGeometry(const ConvAttrs& attrs, const std::vector<int64
   g.batch = input_shape[attrs.BatchDim()];
   g.in_channels = input_shape[attrs.ChannelDim()];
   g.out_channels = filter_shape[nd + 1];
-  if (filter_shape[nd] != g.in_channels) {
-    // Grouped convolutions are left to TensorFlow's own ops.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input depth ", g.in_channels, " must equal the filter's input depth ", filter_shape[nd],
-        " (grouped convolutions are not supported); input ", ShapeString(input_shape),
-        ", filter ", ShapeString(filter_shape)));
+  absl::Status groups = ComputeGroups(g.in_channels, filter_shape[nd], g.out_channels, &g.groups);
+  if (!groups.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(groups.message(), "; input ",
+                                                   ShapeString(input_shape), ", filter ",
+                                                   ShapeString(filter_shape)));
   }
   g.strides = attrs.strides;
   g.dilations = attrs.dilations;
@@ -244,7 +262,7 @@ std::vector<int64_t> ConvGeometry::OutputShape(int64_t batch_size) const {
 }
 std::vector<int64_t> ConvGeometry::FilterShape() const {
   std::vector<int64_t> shape = filter_spatial;
-  shape.push_back(in_channels);
+  shape.push_back(GroupInChannels());
   shape.push_back(out_channels);
   return shape;
 }
@@ -265,13 +283,14 @@ std::string ConvGeometry::DebugString() const {
   return absl::StrCat("input ", ShapeString(InputShape(batch)), ", filter ",
                       ShapeString(FilterShape()), ", output ", ShapeString(OutputShape(batch)),
                       ", strides ", ShapeString(strides), ", dilations ", ShapeString(dilations),
-                      ", padding ", ShapeString(pad_before), "/", ShapeString(pad_after));
+                      ", padding ", ShapeString(pad_before), "/", ShapeString(pad_after),
+                      groups != 1 ? absl::StrCat(", ", groups, " groups") : "");
 }
 
-// [channels_last, batch, in_channels, out_channels, nd, then nd values each of input_spatial,
-// filter_spatial, output_spatial, strides, dilations, pad_before, pad_after].
+// [channels_last, batch, in_channels, out_channels, groups, nd, then nd values each of
+// input_spatial, filter_spatial, output_spatial, strides, dilations, pad_before, pad_after].
 std::vector<int64_t> ConvGeometry::Encode() const {
-  std::vector<int64_t> values = {channels_last ? 1 : 0, batch, in_channels, out_channels,
+  std::vector<int64_t> values = {channels_last ? 1 : 0, batch, in_channels, out_channels, groups,
                                  num_spatial_dims()};
   for (const std::vector<int64_t>* field : {&input_spatial, &filter_spatial, &output_spatial,
                                             &strides, &dilations, &pad_before, &pad_after}) {
@@ -282,7 +301,9 @@ std::vector<int64_t> ConvGeometry::Encode() const {
 
 absl::Status ConvGeometry::Decode(const int64_t* values, size_t count, ConvGeometry* geometry) {
   constexpr int kFields = 7;
-  if (count < 5 || values[4] < 1 || count != 5 + kFields * static_cast<size_t>(values[4])) {
+  constexpr size_t kHeader = 6;
+  if (count < kHeader || values[4] < 1 || values[5] < 1 ||
+      count != kHeader + kFields * static_cast<size_t>(values[5])) {
     return absl::InvalidArgumentError(
         absl::StrCat("an encoded convolution geometry of ", count, " values is malformed"));
   }
@@ -291,8 +312,9 @@ absl::Status ConvGeometry::Decode(const int64_t* values, size_t count, ConvGeome
   g.batch = values[1];
   g.in_channels = values[2];
   g.out_channels = values[3];
-  const int64_t nd = values[4];
-  const int64_t* next = values + 5;
+  g.groups = values[4];
+  const int64_t nd = values[5];
+  const int64_t* next = values + kHeader;
   for (std::vector<int64_t>* field : {&g.input_spatial, &g.filter_spatial, &g.output_spatial,
                                       &g.strides, &g.dilations, &g.pad_before, &g.pad_after}) {
     field->assign(next, next + nd);

@@ -52,12 +52,14 @@ absl::Status ComputeWindowedSize(int64_t input, int64_t filter, int64_t stride, 
                                  int64_t explicit_after, WindowedSize* size);
 
 // The fully resolved shape of one convolution. Filters are in TensorFlow's layout:
-// spatial..., in_channels, out_channels.
+// spatial..., in_channels / groups, out_channels. As in TensorFlow's Conv2D, the groups come from
+// the shapes: group g's out_channels / groups outputs read its in_channels / groups inputs.
 struct ConvGeometry {
   bool channels_last = true;
   int64_t batch = 0;
   int64_t in_channels = 0;
   int64_t out_channels = 0;
+  int64_t groups = 1;
   std::vector<int64_t> input_spatial;
   std::vector<int64_t> filter_spatial;
   std::vector<int64_t> output_spatial;
@@ -72,7 +74,9 @@ struct ConvGeometry {
   int64_t FilterSpatialSize() const;
   int64_t InputSampleSize() const { return in_channels * InputSpatialSize(); }
   int64_t OutputSampleSize() const { return out_channels * OutputSpatialSize(); }
-  int64_t FilterSize() const { return FilterSpatialSize() * in_channels * out_channels; }
+  int64_t GroupInChannels() const { return in_channels / groups; }    // the filter's in_channels
+  int64_t GroupOutChannels() const { return out_channels / groups; }
+  int64_t FilterSize() const { return FilterSpatialSize() * GroupInChannels() * out_channels; }
   bool SymmetricPadding() const { return pad_before == pad_after; }
 
   // Full shapes in the data format (input, output) and TensorFlow's filter layout.
@@ -98,6 +102,11 @@ struct ConvBuffers {
   T* filter;
   T* output;
 };
+
+// The groups of a convolution, as TensorFlow's Conv2D takes them from the depths: the input's
+// over the filter's input depth, which must divide it, as the groups must divide the output's.
+absl::Status ComputeGroups(int64_t in_channels, int64_t filter_in_channels, int64_t out_channels,
+                           int64_t* groups);
 
 // Resolves the geometry from the input and filter shapes (each num_spatial_dims + 2 long).
 absl::Status ComputeConvGeometry(const ConvAttrs& attrs, const std::vector<int64_t>& input_shape,

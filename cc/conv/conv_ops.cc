@@ -9,6 +9,9 @@
 //   UcudnnConv3D                  <- Conv3D                 (+ EXPLICIT padding)
 //   UcudnnConv3DBackpropInput     <- Conv3DBackpropInputV2  (+ EXPLICIT padding)
 //   UcudnnConv3DBackpropFilter    <- Conv3DBackpropFilterV2 (+ EXPLICIT padding)
+//
+// Grouped convolutions are as TensorFlow's: a filter of input depth C / G groups an input of depth
+// C into G groups. A depthwise convolution is one with G = C.
 #include "absl/strings/str_cat.h"
 #include "cc/conv/conv_attrs.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -41,14 +44,28 @@ absl::Status CheckPlanBatch(InferenceContext* c, ConvKernel kernel, PlanAttrName
   return absl::OkStatus();
 }
 
+// As TensorFlow's Conv2D shape function: the filter's input depth divides the input's, giving the
+// groups, which divide the output depth.
+absl::Status CheckGroups(InferenceContext* c, DimensionHandle in_depth, ShapeHandle filter,
+                         int nd) {
+  DimensionHandle filter_in_depth = c->Dim(filter, nd);
+  DimensionHandle out_depth = c->Dim(filter, nd + 1);
+  if (!c->ValueKnown(in_depth) || !c->ValueKnown(filter_in_depth) ||
+      !c->ValueKnown(out_depth)) {
+    return absl::OkStatus();
+  }
+  int64_t groups = 1;
+  return ComputeGroups(c->Value(in_depth), c->Value(filter_in_depth), c->Value(out_depth),
+                       &groups);
+}
+
 absl::Status ForwardShape(InferenceContext* c, int nd) {
   ConvAttrs attrs;
   TF_RETURN_IF_ERROR(ReadConvAttrs(c, nd, &attrs));
   ShapeHandle input, filter;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), nd + 2, &input));
   TF_RETURN_IF_ERROR(c->WithRank(c->input(1), nd + 2, &filter));
-  DimensionHandle in_depth = c->Dim(input, attrs.ChannelDim());
-  TF_RETURN_IF_ERROR(c->Merge(in_depth, c->Dim(filter, nd), &in_depth));
+  TF_RETURN_IF_ERROR(CheckGroups(c, c->Dim(input, attrs.ChannelDim()), filter, nd));
 
   DimensionHandle batch = c->Dim(input, attrs.BatchDim());
   std::vector<DimensionHandle> spatial;
@@ -88,14 +105,23 @@ absl::Status BackpropShape(InferenceContext* c, int nd, ConvKernel kernel) {
   TF_RETURN_IF_ERROR(c->WithRank(result, nd + 2, &result));
   TF_RETURN_IF_ERROR(c->WithRank(c->input(2), nd + 2, &out_backprop));
   c->set_output(0, result);
+  // The input's depth: of the result (input gradient) or of the input (filter gradient); the
+  // filter's shape: an input or the result.
+  ShapeHandle filter = result;
+  if (kernel == ConvKernel::kBackpropInput) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(1), nd + 2, &filter));
+  }
+  ShapeHandle input = result;
+  if (kernel == ConvKernel::kBackpropFilter) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(0), nd + 2, &input));
+  }
+  TF_RETURN_IF_ERROR(CheckGroups(c, c->Dim(input, attrs.ChannelDim()), filter, nd));
   DimensionHandle batch = c->Dim(out_backprop, attrs.BatchDim());
   if (kernel == ConvKernel::kBackpropInput) {
     TF_RETURN_IF_ERROR(c->Merge(batch, c->Dim(result, attrs.BatchDim()), &batch));
   } else {
     // The input holds the batch too: a plan that cannot fit it is an error while out_backprop's
     // batch is still unknown.
-    ShapeHandle input;
-    TF_RETURN_IF_ERROR(c->WithRank(c->input(0), nd + 2, &input));
     TF_RETURN_IF_ERROR(c->Merge(batch, c->Dim(input, attrs.BatchDim()), &batch));
   }
   return CheckPlanBatch(c, kernel, OwnPlanAttrs(), batch);

@@ -13,17 +13,6 @@
 #include "tensorflow/core/platform/logging.h"
 
 namespace tf_ucudnn {
-namespace {
-
-// cuDNN reads alpha and beta in the compute type: doubles for double data, floats for the rest.
-const void* ScaleFactor(cudnnDataType_t type, int value) {
-  static constexpr float kFloat[] = {0, 1};
-  static constexpr double kDouble[] = {0, 1};
-  if (ComputeType(type) == CUDNN_DATA_DOUBLE) return &kDouble[value];
-  return &kFloat[value];
-}
-
-}  // namespace
 
 CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
                                    const ConvGeometry& g, cudnnDataType_t type,
@@ -74,7 +63,7 @@ absl::Status CudnnConvolution::Begin() {
   TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
   TF_RETURN_IF_ERROR(filter_desc_.Init(type_, layout_.channels_last(), layout_.FilterDims()));
   return conv_desc_.Init(layout_.symmetric_padding(), g_.strides, g_.dilations,
-                         ComputeType(type_), TensorFlowMath(type_));
+                         ComputeType(type_), TensorFlowMath(type_), g_.groups);
 }
 
 absl::Status CudnnConvolution::Descriptors(int64_t size, SizeDescriptors** out) {

@@ -135,7 +135,8 @@ ConvolutionDescriptor::~ConvolutionDescriptor() {
 absl::Status ConvolutionDescriptor::Init(const std::vector<int64_t>& pads,
                                          const std::vector<int64_t>& strides,
                                          const std::vector<int64_t>& dilations,
-                                         cudnnDataType_t compute_type, cudnnMathType_t math) {
+                                         cudnnDataType_t compute_type, cudnnMathType_t math,
+                                         int64_t groups) {
   std::vector<int> int_pads, int_strides, int_dilations;
   for (auto [values, name, out] : {std::make_tuple(&pads, "padding", &int_pads),
                                    std::make_tuple(&strides, "stride", &int_strides),
@@ -149,6 +150,10 @@ absl::Status ConvolutionDescriptor::Init(const std::vector<int64_t>& pads,
                                       int_strides.data(), int_dilations.data(),
                                       CUDNN_CROSS_CORRELATION, compute_type),
       "cudnnSetConvolutionNdDescriptor");
+  // The groups divide the input's channels, which the tensor descriptor holds as an int.
+  TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
+      cudnnSetConvolutionGroupCount(desc_, static_cast<int>(groups)),
+      "cudnnSetConvolutionGroupCount");
   return SetMath(math);
 }
 

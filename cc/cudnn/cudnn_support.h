@@ -105,9 +105,10 @@ class ConvolutionDescriptor {
   ConvolutionDescriptor(const ConvolutionDescriptor&) = delete;
   ConvolutionDescriptor& operator=(const ConvolutionDescriptor&) = delete;
   ~ConvolutionDescriptor();
+  // `groups` as in ConvGeometry (the filter descriptor has C / groups input channels).
   absl::Status Init(const std::vector<int64_t>& pads, const std::vector<int64_t>& strides,
                     const std::vector<int64_t>& dilations, cudnnDataType_t compute_type,
-                    cudnnMathType_t math);
+                    cudnnMathType_t math, int64_t groups = 1);
   absl::Status SetMath(cudnnMathType_t math);
   cudnnConvolutionDescriptor_t get() const { return desc_; }
 

@@ -37,11 +37,12 @@ std::vector<int64_t> LogicalStrides(const std::vector<int64_t>& logical, bool ch
   return strides;
 }
 
-// Strides, per logical [K, C, spatial...] dim, of TensorFlow's filter layout [spatial..., C, K].
+// Strides, per logical [K, C / groups, spatial...] dim, of TensorFlow's filter layout
+// [spatial..., C / groups, K].
 std::vector<int64_t> TensorFlowFilterStrides(const ConvGeometry& g) {
   const int nd = g.num_spatial_dims();
   std::vector<int64_t> storage = g.filter_spatial;
-  storage.push_back(g.in_channels);
+  storage.push_back(g.GroupInChannels());
   storage.push_back(g.out_channels);
   const std::vector<int64_t> packed = PackedStrides(storage);
   std::vector<int64_t> strides = {packed[nd + 1], packed[nd]};
@@ -86,7 +87,7 @@ CudnnLayout::CudnnLayout(const ConvGeometry& g, cudnnDataType_t type)
 }
 
 std::vector<int64_t> CudnnLayout::FilterDims() const {
-  return LogicalDims(g_.out_channels, g_.in_channels, g_.filter_spatial);
+  return LogicalDims(g_.out_channels, g_.GroupInChannels(), g_.filter_spatial);
 }
 
 std::vector<int64_t> CudnnLayout::InputDims(int64_t size) const {

@@ -17,7 +17,7 @@ namespace tf_ucudnn {
 // a copy of the micro-batch's input. cuDNN's legacy API has no float64 kernels for channels-last
 // layouts (TensorFlow runs those channels-first too), so float64 NHWC/NDHWC micro-batches are
 // transposed on their way in and out. Dims are in cuDNN's logical order: [N, C, spatial...] for
-// tensors, [K, C, spatial...] for filters.
+// tensors, [K, C / groups, spatial...] for filters (the groups are the convolution descriptor's).
 class CudnnLayout {
  public:
   // `g` must outlive the layout.
@@ -33,7 +33,7 @@ class CudnnLayout {
   std::vector<int64_t> OutputDims(int64_t size) const;
   int64_t PaddedInputSampleSize() const;
 
-  // Between TensorFlow's filter layout [spatial..., C, K] and cuDNN's.
+  // Between TensorFlow's filter layout [spatial..., C / groups, K] and cuDNN's.
   StridedCopy FilterToCudnn() const;
   StridedCopy FilterFromCudnn() const;
   // Between a micro-batch of the op's input and cuDNN's copy of it (padded, maybe transposed).

@@ -21,6 +21,13 @@ cudnnDataType_t ComputeType(cudnnDataType_t type) {
   return type == CUDNN_DATA_DOUBLE ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
 }
 
+const void* ScaleFactor(cudnnDataType_t type, int value) {
+  static constexpr float kFloat[] = {0, 1};
+  static constexpr double kDouble[] = {0, 1};
+  if (ComputeType(type) == CUDNN_DATA_DOUBLE) return &kDouble[value];
+  return &kFloat[value];
+}
+
 const char* AlgorithmName(ConvKernel kernel, int algo) {
   static const char* const kForward[] = {"IMPLICIT_GEMM", "IMPLICIT_PRECOMP_GEMM", "GEMM",
                                          "DIRECT", "FFT", "FFT_TILING", "WINOGRAD",

@@ -37,6 +37,9 @@ size_t ElementSize(cudnnDataType_t type);
 // Half types accumulate in float; double stays double. alpha and beta scale in this type too.
 cudnnDataType_t ComputeType(cudnnDataType_t type);
 
+// 0 or 1 (`value`) as cuDNN reads alpha and beta for `type`'s data: in its compute type.
+const void* ScaleFactor(cudnnDataType_t type, int value);
+
 const char* AlgorithmName(ConvKernel kernel, int algo);
 
 // cuDNN's documentation lists the backward ALGO_0s and the filter's ALGO_3 as non-deterministic

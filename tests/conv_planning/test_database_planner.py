@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tf_ucudnn import rewrite
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
-from tf_ucudnn.core.plan import KERNELS
+from tf_ucudnn.core.plan import KERNELS, LayerPlan
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
@@ -52,6 +52,24 @@ def test_missing_profiles_are_named(database, alexnet_layers):
     planner = DatabasePlanner(database, 64 * MIB, machine=Machine("Some GPU", 90000))
     reason = planner(alexnet_layers[1])
     assert "no profile" in reason and "Some GPU" in reason
+
+
+def test_grouped_layers_are_planned_from_their_own_profiles(database, alexnet_layers):
+    """The profile key holds the groups: a grouped layer is planned from its own measurements
+    (here: conv2's, as though measured with 2 groups), never from those of the ungrouped layer
+    of the same shapes; alone and under a budget for all layers."""
+    conv2 = alexnet_layers[1]
+    grouped = dataclasses.replace(conv2, name="grouped", groups=2,
+                                  filter_shape=(*conv2.filter_shape[:2], 48, 256))
+    assert "no profile" in DatabasePlanner(database, 64 * MIB, machine=H100)(grouped)
+    database.insert(dataclasses.replace(record, geometry=grouped.cudnn_geometry())
+                    for record in database.records()
+                    if record.geometry == conv2.cudnn_geometry())
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100)
+    assert planner(grouped) == planner(conv2)
+    shared = DatabasePlanner(database, None, machine=H100, workspace_budget_bytes=100 * MIB)
+    shared.prepare([conv2, grouped])
+    assert all(isinstance(shared(layer), LayerPlan) for layer in (conv2, grouped))
 
 
 def test_rewrite_with_the_planner(database):

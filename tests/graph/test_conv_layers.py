@@ -1,12 +1,13 @@
 """conv_layers: a graph's convolutions as plain data, and the geometry cuDNN runs for each."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.core.conv_layer import UnsupportedConvolution
+from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution, conv_groups
 from tf_ucudnn.graph.conv_layers import (
-    conv_layer_of,
     find_conv_layers,
     trace_model,
     unique_geometries,
@@ -87,12 +88,45 @@ def test_unknown_shapes_are_reported_not_dropped():
     assert "Conv2D" in name and "not fully known" in reason
 
 
-def test_grouped_convolution_is_rejected_with_reason():
-    graph = _graph_of(lambda x: tf.nn.conv2d(x, tf.zeros([3, 3, 2, 4]), 1, "SAME"),
-                      tf.TensorSpec([1, 8, 8, 4]))
-    op = next(op for op in graph.get_operations() if op.type == "Conv2D")
-    with pytest.raises(UnsupportedConvolution, match="grouped"):
-        conv_layer_of(op)
+def test_grouped_and_depthwise_convolutions_are_grouped_layers():
+    graph = _graph_of(
+        lambda x, v: (tf.nn.conv2d(x, tf.zeros([3, 3, 2, 6]), 1, "SAME"),
+                      tf.nn.depthwise_conv2d(x, tf.zeros([3, 3, 4, 2]), [1, 2, 2, 1], "SAME",
+                                             dilations=[1, 1]),
+                      tf.nn.conv3d(v, tf.zeros([1, 1, 1, 3, 4]), [1] * 5, "VALID",
+                                   data_format="NCDHW")),
+        tf.TensorSpec([1, 8, 8, 4]), tf.TensorSpec([2, 6, 5, 5, 5]))
+    layers, skipped = find_conv_layers(graph)
+    assert skipped == []
+    by_type = {layer.op_type: layer for layer in layers}
+    grouped, depthwise, conv3d = (by_type[t] for t in ("Conv2D", "DepthwiseConv2dNative",
+                                                       "Conv3D"))
+    assert grouped.groups == 2 and grouped.filter_shape == (3, 3, 2, 6)
+    # A depthwise filter [3, 3, 4, 2] is the grouped convolution's [3, 3, 1, 8], 4 groups.
+    assert depthwise.groups == 4 and depthwise.filter_shape == (3, 3, 1, 8)
+    assert depthwise.output_spatial() == (4, 4)
+    assert conv3d.groups == 2
+    geometry = depthwise.cudnn_geometry()
+    assert (geometry.in_channels, geometry.out_channels, geometry.groups) == (4, 8, 4)
+    assert geometry.filter_in_channels == 1
+    assert grouped.cudnn_geometry().in_channels == 4
+    # The profile key tells a grouped geometry from the ungrouped one of the same shapes.
+    assert len({grouped.cudnn_geometry(), dataclasses.replace(grouped.cudnn_geometry(),
+                                                              groups=1)}) == 2
+    assert "groups 4" in str(geometry)
+
+
+def test_a_layer_whose_channels_are_not_its_groups_is_refused():
+    with pytest.raises(UnsupportedConvolution, match="conv: an input of 4 channels and a filter "
+                                                     "for 2 are not 1 group"):
+        ConvLayer("conv", "Conv2D", (1, 8, 8, 4), (3, 3, 2, 6), (1, 1, 1, 1), (1, 1, 1, 1),
+                  "SAME", (), "NHWC", "float32")
+    with pytest.raises(UnsupportedConvolution, match="not a multiple of the filter's 3 input"):
+        conv_groups("conv", 4, 3, 6)
+    with pytest.raises(UnsupportedConvolution, match="6 output channels are not a multiple of "
+                                                     "its 4 groups"):
+        conv_groups("conv", 4, 1, 6)
+    assert conv_groups("conv", None, 1, 6) is None
 
 
 def test_keras_model_layers_and_shared_geometries():

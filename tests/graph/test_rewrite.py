@@ -141,20 +141,77 @@ def test_unknown_shapes_and_bad_targets():
         rewrite_convolutions(forward, _split_plan)
 
 
-def test_depthwise_convolutions_and_their_gradients_are_reported_left_alone():
-    layers = tf.keras.layers
-    model = tf.keras.Sequential([
-        tf.keras.Input((12, 12, 3)),
-        layers.Conv2D(8, 3, padding="same"),
-        layers.DepthwiseConv2D(3, padding="same"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(4),
-    ])
-    _, report = rewrite_convolutions(gradient_step(model, 4), _split_plan)
-    assert len(report.layers) == 1
-    reasons = sorted(item.reason for item in report.left_alone)
-    assert reasons == ["a depthwise convolution's gradient: tf_ucudnn has no depthwise op"] * 2 \
-        + ["a depthwise convolution: tf_ucudnn has no depthwise op"]
+def _depthwise_and_grouped():
+    """A depthwise convolution with dilations, a grouped one and a plain one, TensorFlow's ops
+    (channels-last: its CPU kernels have no NCHW depthwise convolution), as a step of batch 6
+    with its loss and gradients."""
+    rng = np.random.default_rng(3)
+    depthwise = tf.Variable(rng.standard_normal([3, 3, 4, 2]), dtype=tf.float32)
+    grouped = tf.Variable(rng.standard_normal([3, 3, 4, 6]), dtype=tf.float32)
+    pointwise = tf.Variable(rng.standard_normal([1, 1, 6, 5]), dtype=tf.float32)
+    shape = [6, 9, 9, 4]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.depthwise_conv2d(x, depthwise, [1, 1, 1, 1], "SAME", dilations=[2, 2])
+            y = tf.nn.relu(tf.nn.conv2d(y, grouped, 2, "VALID"))
+            loss = tf.reduce_sum(tf.nn.conv2d(y, pointwise, 1, "SAME") ** 2)
+        return loss, tape.gradient(loss, [x, depthwise, grouped, pointwise])
+
+    return step.get_concrete_function(tf.TensorSpec(shape)), shape
+
+
+def test_depthwise_and_grouped_layers_are_planned_with_the_same_results():
+    concrete, shape = _depthwise_and_grouped()
+    rewritten, report = rewrite_convolutions(concrete, _split_plan)
+    assert report.left_alone == []
+    layers = {layer.layer.op_type: layer for layer in report.layers}
+    assert set(layers) == {"DepthwiseConv2dNative", "Conv2D"} and len(report.layers) == 3
+    depthwise = layers["DepthwiseConv2dNative"]
+    assert depthwise.layer.groups == 4 and depthwise.layer.filter_shape == (3, 3, 1, 8)
+    assert set(depthwise.nodes) == {FORWARD, BACKPROP_INPUT, BACKPROP_FILTER}
+    assert sorted(layer.layer.groups for layer in report.layers) == [1, 2, 4]
+    ops = {node.op for node in rewritten.get_concrete_function().graph.as_graph_def().node}
+    assert not ops & {"Conv2D", "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+                      "DepthwiseConv2dNativeBackpropFilter", "Conv2DBackpropInput",
+                      "Conv2DBackpropFilter"}
+    x = tf.random.stateless_normal(shape, seed=[3, 4])
+    loss, grads = concrete(x)
+    new_loss, new_grads = rewritten(x)
+    np.testing.assert_allclose(new_loss, loss, rtol=1e-5)
+    for a, b in zip(new_grads, grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+
+
+def test_depthwise_layers_inside_library_functions():
+    """Inside a function body, nodes read each other's outputs by argument name: the reshapes
+    the pass adds around a depthwise layer's nodes are read so too."""
+    depthwise = tf.constant(np.random.default_rng(4).standard_normal([3, 3, 3, 2]), tf.float32)
+
+    @tf.function
+    def inner(x):
+        with tf.GradientTape() as tape:
+            tape.watch([x, depthwise])
+            y = tf.nn.depthwise_conv2d(x, depthwise, [1, 2, 2, 1], "SAME")
+        return (y, *tape.gradient(y, [x, depthwise], output_gradients=tf.sin(y)))
+
+    @tf.function
+    def outer(x):
+        return [t * 2.0 for t in inner(x)]  # a call: inner's body lives in the function library
+
+    concrete = outer.get_concrete_function(tf.TensorSpec([4, 7, 7, 3]))
+    rewritten, report = rewrite_convolutions(concrete, _split_plan)
+    assert report.left_alone == [] and len(report.layers) == 1
+    assert report.layers[0].scope != "" and len(report.layers[0].nodes) == 3
+    graph_def = rewritten.get_concrete_function().graph.as_graph_def()
+    library_ops = {node.op for f in graph_def.library.function for node in f.node_def}
+    assert "UcudnnConv2DBackpropFilter" in library_ops
+    assert not any(op.startswith("Depthwise") for op in library_ops)
+    x = tf.random.stateless_normal([4, 7, 7, 3], seed=[7, 8])
+    for got, want in zip(rewritten(x), concrete(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_a_planner_that_answers_nothing_is_an_error_naming_the_layer():

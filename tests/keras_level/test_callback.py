@@ -91,6 +91,49 @@ def test_fit_with_the_callback_trains_to_the_same_weights(build):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _mobilenet_style():
+    """Depthwise and pointwise convolutions, as in MobileNet, and a grouped one, as in ResNeXt."""
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, strides=2, padding="same", activation="relu"),
+        layers.DepthwiseConv2D(3, padding="same", activation="relu"),
+        layers.Conv2D(16, 1, activation="relu"),
+        layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2, padding="same", use_bias=False),
+        layers.Conv2D(16, 3, groups=4, padding="same", activation="relu"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(4),
+    ])
+
+
+def test_depthwise_and_grouped_layers_train_planned_to_the_same_weights():
+    plain, plain_history = _fit(_mobilenet_style, [])
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen.update(types=_op_types(self.model))
+
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    planned, planned_history = _fit(_mobilenet_style, [callback, Probe()])
+
+    assert callback.report.left_alone == []
+    layers = [item.layer for item in callback.report.layers]
+    assert [(layer.op_type, layer.groups) for layer in layers] == [
+        ("Conv2D", 1), ("DepthwiseConv2dNative", 8), ("Conv2D", 1),
+        ("DepthwiseConv2dNative", 16), ("Conv2D", 4)]
+    assert layers[3].filter_shape == (3, 3, 1, 32)
+    assert "UcudnnConv2D" in seen["types"] and "DepthwiseConv2dNative" not in seen["types"]
+    np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # Given back: the depthwise layers run their own call again.
+    assert all("call" not in vars(layer) and "convolution_op" not in vars(layer)
+               for layer in planned.layers)
+    assert "DepthwiseConv2dNative" in _op_types(planned)
+
+
 def test_layers_left_alone_are_reported_with_the_reason():
     callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
     _fit(_vgg_style, [callback], epochs=1)

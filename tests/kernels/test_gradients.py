@@ -8,6 +8,7 @@ import tensorflow as tf
 from reference import (
     CONV2D_CASES,
     CONV3D_CASES,
+    GROUPED_CASES,
     Case,
     Conv,
     assert_close,
@@ -23,6 +24,7 @@ from reference import (
 
 import tf_ucudnn
 from tf_ucudnn.core.plan import WORKSPACE_ATTR, KernelPlan, LayerPlan
+from tf_ucudnn.kernels.ops import depthwise_filter
 from tf_ucudnn.memory.analysis.liveness import kernel_scratch_bytes
 
 ALL_CASES = CONV2D_CASES + CONV3D_CASES
@@ -47,6 +49,87 @@ def test_gradients_match_tf(device, case, rng):
 def test_kernel_plan_gradients_use_auto_plans(device, case, rng):
     """A bare KernelPlan plans the forward kernel only; the gradient still matches."""
     check_conv(device, case.cfg, tf.float64, case.plan().forward, rng)
+
+
+# ------------------------------------------------------------ grouped and depthwise gradients
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[c.id for c in GROUPED_CASES])
+def test_grouped_gradients_match_tf(device, case, rng):
+    """A grouped convolution's gradients against TensorFlow's gradients of the convolution, one
+    per group, concatenated (float32 against the float64 reference)."""
+    check_conv(device, case.cfg, tf.float32, case.plan(), rng)
+
+
+_TF_GROUPED_CASES = [c for c in GROUPED_CASES if c.cfg.nd == 2 or isinstance(c.cfg.padding, str)]
+
+
+@pytest.mark.parametrize("case", _TF_GROUPED_CASES, ids=[c.id for c in _TF_GROUPED_CASES])
+def test_grouped_gradients_equal_tensorflows_grouped_convolution(device, case, rng):
+    """Against TensorFlow's own grouped Conv2D/Conv3D and its gradients, compiled by XLA (its CPU
+    kernels have no grouped Conv3D), in float64."""
+    cfg = case.cfg
+    x = random(cfg.input_shape, tf.float64, rng)
+    w = random(cfg.filter_shape, tf.float64, rng)
+    dy = random(cfg.output_shape, tf.float64, rng)
+    strides, dilations = cfg.full(cfg.spatial_strides), cfg.full(cfg.spatial_dilations)
+    padding = cfg.padding if isinstance(cfg.padding, str) else "EXPLICIT"
+    explicit = [] if isinstance(cfg.padding, str) else [v for pair in cfg.padding for v in pair]
+
+    def tensorflow_conv(x, w):
+        if cfg.nd == 2:
+            return tf.raw_ops.Conv2D(input=x, filter=w, strides=strides, padding=padding,
+                                     explicit_paddings=explicit, data_format=cfg.fmt,
+                                     dilations=dilations)
+        return tf.raw_ops.Conv3D(input=x, filter=w, strides=strides, padding=padding,
+                                 data_format=cfg.fmt, dilations=dilations)
+
+    def gradients(conv_fn, x, w, dy):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = conv_fn(x, w)
+        return (y, *tape.gradient(y, [x, w], output_gradients=dy))
+
+    with tf.device("/CPU:0"):
+        expected = tf.function(gradients, jit_compile=True)(tensorflow_conv, x, w, dy)
+    with tf.device(device):
+        actual = gradients(lambda x, w: _forward(cfg.nd)(x, w, **cfg.kwargs(), plan=case.plan()),
+                           x, w, dy)
+    for got, want, what in zip(actual, expected, ("output", "input gradient", "filter gradient")):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=f"{cfg} {what}")
+
+
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("strides,dilations,padding", [
+    ((1, 1), (1, 1), "SAME"), ((2, 2), (1, 1), "VALID"), ((1, 1), (2, 2), "SAME"),
+], ids=["same", "valid-s2", "same-d2"])
+def test_depthwise_equals_tf_nn_depthwise_conv2d(device, data_format, strides, dilations,
+                                                 padding, rng):
+    """tf.nn.depthwise_conv2d as the grouped convolution (filter [kh, kw, C, M] reshaped to
+    [kh, kw, 1, C * M]): output and both gradients equal TensorFlow's, micro-batched."""
+    x = random((5, 9, 8, 3), tf.float64, rng)
+    w = random((3, 3, 3, 2), tf.float64, rng)
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        expected = tf.nn.depthwise_conv2d(x, w, [1, *strides, 1], padding, dilations=dilations)
+    dy = random(expected.shape, tf.float64, rng)
+    expected_dx, expected_dw = tape.gradient(expected, [x, w], output_gradients=dy)
+
+    def to_format(t):
+        return t if data_format == "NHWC" else tf.transpose(t, [0, 3, 1, 2])
+
+    plan = LayerPlan(KernelPlan.of((2, None), (3, None)), KernelPlan.of((4, None), (1, None)),
+                     KernelPlan.of((1, None), (4, None)))
+    with tf.device(device):
+        x_op = to_format(x)
+        with tf.GradientTape() as tape:
+            tape.watch([x_op, w])
+            y = tf_ucudnn.conv2d(x_op, depthwise_filter(w), strides,
+                                 padding, data_format=data_format, dilations=dilations, plan=plan)
+        dx, dw = tape.gradient(y, [x_op, w], output_gradients=to_format(dy))
+    assert_on_device(y, device)
+    np.testing.assert_allclose(y, to_format(expected), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dx, to_format(expected_dx), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dw, expected_dw, rtol=1e-12, atol=1e-12)
 
 
 def _random_case(seed: int) -> Case:

@@ -278,23 +278,52 @@ def test_bad_conv_attributes(attrs, text):
         tf.function(lambda: op_library().ucudnn_conv2d(_X, _W, **full))()
 
 
-def test_channel_mismatch():
-    """The wrapper refuses a grouped convolution with the plugin's reason; the op's shape
-    function and its kernel refuse it too, where the raw op is called."""
-    message = "grouped convolution \\(3 input channels, filter for 2\\) is not supported"
+def test_channels_that_do_not_make_groups():
+    """A filter's input depth must divide the input's (the groups), and the groups the output
+    depth, as in TensorFlow's Conv2D: the wrapper refuses it with the plugin's reason; the op's
+    shape function and its kernel refuse it too, where the raw op is called."""
+    message = "the input's 3 channels are not a multiple of the filter's 2 input channels"
     with pytest.raises(UnsupportedConvolution, match=message):
         tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME")
     # AutoGraph passes the plugin's error on as its StagingError, message kept.
     with pytest.raises((UnsupportedConvolution, StagingError), match=message):
         tf.function(lambda: tf_ucudnn.conv2d(_X, _W[:, :, :2], 1, "SAME"))()
-    with pytest.raises(ValueError):  # the shape function, at trace time
+    with pytest.raises(ValueError, match="is not a multiple of the filter's input depth 2"):
         tf.function(lambda: op_library().ucudnn_conv2d(_X, _W[:, :, :2], **_ATTRS))()
     with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
         op_library().ucudnn_conv2d(_X, _W[:, :, :2], **_ATTRS,
                                    **KernelPlan.of((5, 1)).attrs())
     message = info.value.message
     assert "UcudnnConv2D" in message and "[5@algo=1]" in message
-    assert "input depth 3 must equal the filter's input depth 2" in message
+    assert "the input's depth 3 is not a multiple of the filter's input depth 2" in message
+    # Three groups of one channel each cannot make 4 outputs.
+    with pytest.raises(UnsupportedConvolution, match="4 output channels are not a multiple of "
+                                                     "its 3 groups"):
+        tf_ucudnn.conv2d(_X, _W[:, :, :1], 1, "SAME")
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError,
+                                            match="output depth 4 is not a multiple of the 3 "
+                                                  "groups"):
+        op_library().ucudnn_conv2d_backprop_filter(_X, [3, 3, 1, 4], tf.zeros([5, 6, 6, 4]),
+                                                   **_ATTRS)
+    with pytest.raises(ValueError, match="output depth 4 is not a multiple of the 3 groups"):
+        tf.function(lambda: op_library().ucudnn_conv2d_backprop_filter(
+            _X, [3, 3, 1, 4], tf.zeros([5, 6, 6, 4]), **_ATTRS))()
+    with pytest.raises(ValueError, match="input's depth 3 is not a multiple of the filter's "
+                                         "input depth 2"):
+        tf.function(lambda: op_library().ucudnn_conv2d_backprop_input(
+            [5, 6, 6, 3], _W[:, :, :2], tf.zeros([5, 6, 6, 4]), **_ATTRS))()
+
+
+def test_grouped_shapes_in_graph():
+    """The shape functions take a grouped filter as TensorFlow's Conv2D does."""
+    def shapes(x):
+        y = tf_ucudnn.conv2d(x, tf.zeros([3, 3, 1, 6]), 2, "SAME")
+        return (y, op_library().ucudnn_conv2d_backprop_input([5, 6, 6, 3], tf.zeros([3, 3, 1, 6]),
+                                                             y, strides=[1, 2, 2, 1],
+                                                             padding="SAME"))
+    graph = tf.function(shapes).get_concrete_function(tf.TensorSpec([None, 6, 6, 3])).graph
+    y, dx = graph.outputs
+    assert y.shape.as_list() == [None, 3, 3, 6] and dx.shape.as_list() == [5, 6, 6, 3]
 
 
 @pytest.mark.parametrize("which", ["input", "filter"])

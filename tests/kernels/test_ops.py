@@ -6,6 +6,7 @@ import tensorflow as tf
 from reference import (
     CONV2D_CASES,
     CONV3D_CASES,
+    GROUPED_CASES,
     Conv,
     assert_close,
     assert_on_device,
@@ -13,6 +14,7 @@ from reference import (
     backprop_input,
     check_conv,
     conv,
+    conv_and_grads,
     kernel_plan,
     random,
     safe_algorithms,
@@ -101,6 +103,44 @@ _DTYPE_CASES = [CONV2D_CASES[0], CONV2D_CASES[4], CONV2D_CASES[11], CONV3D_CASES
 @pytest.mark.parametrize("case", _DTYPE_CASES, ids=_ids(_DTYPE_CASES))
 def test_dtypes_forward_and_gradients(device, case, dtype, rng):
     check_conv(device, case.cfg, dtype, case.plan(), rng)
+
+
+# ------------------------------------------------------------------ grouped and depthwise
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=_ids(GROUPED_CASES))
+def test_grouped_forward_float64(device, case, rng):
+    check_conv(device, case.cfg, tf.float64, case.plan(), rng, grads=False)
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=_ids(GROUPED_CASES))
+def test_grouped_backprop_ops_match_tf_gradients(device, case, rng):
+    """The backprop ops of a grouped convolution against TensorFlow's gradients of the
+    convolution (one per group, concatenated), in float64."""
+    cfg = case.cfg
+    x = random(cfg.input_shape, tf.float64, rng)
+    w = random(cfg.filter_shape, tf.float64, rng)
+    dy = random(cfg.output_shape, tf.float64, rng)
+    with tf.device(device):
+        dx = _backprop_input(cfg.nd)(tf.constant(cfg.input_shape, tf.int32), w, dy,
+                                     **cfg.kwargs(), plan=case.kernel_plan("bwd_data"))
+        dw = _backprop_filter(cfg.nd)(x, tf.constant(cfg.filter_shape, tf.int32), dy,
+                                      **cfg.kwargs(), plan=case.kernel_plan("bwd_filter"))
+    assert_on_device(dx, device)
+    _, expected_dx, expected_dw = conv_and_grads(x, w, dy, cfg)
+    _, scale_dx, scale_dw = conv_and_grads(tf.abs(x), tf.abs(w), tf.abs(dy), cfg)
+    assert_close(dx, expected_dx, scale_dx, tf.float64, f"{cfg} backprop input")
+    assert_close(dw, expected_dw, scale_dw, tf.float64, f"{cfg} backprop filter")
+
+
+def test_grouped_micro_batches_are_the_batch(rng):
+    """Groups do not change how a plan splits the batch: each micro-batch's result is the
+    grouped convolution of its samples alone."""
+    x = random((3, 6, 6, 4), tf.float64, rng)
+    w = random((3, 3, 1, 8), tf.float64, rng)
+    with tf.device("/CPU:0"):
+        y = tf_ucudnn.conv2d(x, w, 1, "SAME", plan=KernelPlan.of((1, 0), (2, 1)))
+        alone = [tf_ucudnn.conv2d(x[:1], w, 1, "SAME"), tf_ucudnn.conv2d(x[1:], w, 1, "SAME")]
+    np.testing.assert_allclose(y, tf.concat(alone, 0), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------- plans that split

@@ -12,7 +12,15 @@ import textwrap
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import CONV2D_CASES, CONV3D_CASES, check_conv, kernel_plan, layer_plan, random
+from reference import (
+    CONV2D_CASES,
+    CONV3D_CASES,
+    GROUPED_CASES,
+    check_conv,
+    kernel_plan,
+    layer_plan,
+    random,
+)
 
 import tf_ucudnn
 from tf_ucudnn.kernels import ops
@@ -32,6 +40,11 @@ def _hlo(function, *args):
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_ids(ALL_CASES))
 def test_compiled_op_and_gradients_match_the_references(device, case, rng):
+    check_conv(device, case.cfg, tf.float32, case.plan(), rng, jit_compile=True)
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=_ids(GROUPED_CASES))
+def test_compiled_grouped_op_and_gradients_match_the_references(device, case, rng):
     check_conv(device, case.cfg, tf.float32, case.plan(), rng, jit_compile=True)
 
 

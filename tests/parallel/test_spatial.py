@@ -189,3 +189,19 @@ def test_rows_too_many_for_one_call_are_pooled_in_chunks():
     graph = calls.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
     # 6 rows per device, 4 rows a call: two calls each.
     assert len([op for op in graph.get_operations() if op.type == "AvgPool3D"]) == 4
+
+
+def test_a_grouped_convolution_is_planned_with_its_groups():
+    layers = []
+
+    def planner(layer):
+        layers.append(layer)
+        return "left to cuDNN's choice"  # the planner saw it; nothing to plan here
+
+    x, w = _random([2, 8, 6, 4], 13), _random([3, 3, 2, 6], 14)  # 4 channels in 2 groups
+    y = gather(conv(split(x, DEVICES[:2]), w, planner=planner))
+    # Each group by itself, as TensorFlow's grouped Conv2D means it.
+    expected = tf.concat([tf.nn.conv2d(x[..., 2 * g:2 * g + 2], w[..., 3 * g:3 * g + 3], 1,
+                                       "SAME") for g in range(2)], axis=-1)
+    np.testing.assert_allclose(y.numpy(), expected.numpy(), rtol=1e-10, atol=1e-10)
+    assert layers and {layer.groups for layer in layers} == {2}

@@ -66,6 +66,20 @@ def test_every_key_field_separates_measurements(tmp_path):
         assert db.timings(H100, 91500, GEOMETRY, "fwd") == {}
 
 
+def test_groups_separate_measurements_and_ungrouped_keys_stay_as_they_were(tmp_path):
+    grouped = dataclasses.replace(GEOMETRY, groups=4)
+    # The key databases were written with before groups were: ungrouped geometries keep it.
+    assert GEOMETRY.shape_key() == ('{"dilations":[1,1],"filter_dims":[3,3],"in_channels":64,'
+                                    '"input_dims":[56,56],"out_channels":64,"pads":[1,1],'
+                                    '"strides":[1,1]}')
+    assert grouped.shape_key() != GEOMETRY.shape_key()
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert([record(), record(geometry=grouped, algo=0)])
+        assert [t.algo for t in db.timings(H100, 91400, grouped, "fwd")[32]] == [0]
+        assert [t.algo for t in db.timings(H100, 91400, GEOMETRY, "fwd")[32]] == [1]
+        assert {r.geometry for r in db.records()} == {GEOMETRY, grouped}
+
+
 def test_jsonl_import_export_round_trip(tmp_path, profiles_dir):
     source = profiles_dir / "h100-cudnn9.14-fp16-nhwc.jsonl"
     with ProfileDatabase(tmp_path / "p.db") as db:

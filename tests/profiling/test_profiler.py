@@ -65,6 +65,18 @@ def test_asymmetric_and_nhwc_geometries_run(machine):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_grouped_and_depthwise_geometries_run(machine, kernel):
+    for groups in (2, 16):  # 16: depthwise, one input channel per group
+        geometry = ConvGeometry(in_channels=16, out_channels=32, input_dims=(12, 12),
+                                filter_dims=(3, 3), pads=(1, 1), strides=(1, 1), dilations=(1, 1),
+                                dtype="float32", layout="NHWC", groups=groups)
+        records = profiler.measure(geometry, kernel, [4, 2], machine)
+        assert {r.batch_size for r in records} == {4, 2}
+        assert all(r.geometry.groups == groups and r.time_ms > 0 for r in records)
+
+
+@pytest.mark.gpu
 def test_profile_measures_once_per_machine(machine, tmp_path):
     with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
         added = profiler.profile([(GEOMETRY, "test.conv")], 4, database, progress=False)

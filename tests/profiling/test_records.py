@@ -50,6 +50,24 @@ def test_fp16_file_reads_as_nhwc(profiles_dir):
     assert {(r.geometry.dtype, r.geometry.layout) for r in records} == {("float16", "NHWC")}
 
 
+def test_a_line_written_before_groups_reads_as_ungrouped_and_groups_round_trip(tmp_path):
+    old = {"device": H100, "cudnn": 91400, "dtype": "float32", "format": "NHWC",
+           "in_channels": 8, "out_channels": 8, "input_dims": [6, 6], "filter_dims": [3, 3],
+           "pads": [1, 1], "strides": [1, 1], "dilations": [1, 1], "kernel": "fwd", "batch": 4,
+           "algo": 1, "math": "default", "time_ms": 0.25, "workspace_bytes": 0}
+    record = ProfileRecord.from_json(old)
+    assert record.geometry.groups == 1
+    assert record.to_json() == old  # written back as it was read
+    depthwise = dataclasses.replace(record, geometry=dataclasses.replace(record.geometry,
+                                                                         groups=8))
+    assert depthwise.to_json()["groups"] == 8
+    path = tmp_path / "grouped.jsonl"
+    write_jsonl(path, [record, depthwise])
+    assert read_jsonl(path) == [record, depthwise]
+    with pytest.raises(ValueError, match="groups must be positive and divide"):
+        dataclasses.replace(record.geometry, groups=3)
+
+
 def test_lines_without_device_take_the_given_one(tmp_path):
     line = {"layer": "x", "in_channels": 3, "height": 8, "width": 8, "out_channels": 4,
             "kernel_h": 3, "kernel_w": 3, "pad": 1, "stride": 1, "dtype": "float32",

@@ -10,6 +10,7 @@ larger input.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
@@ -25,18 +26,28 @@ def same_padding(size: int, kernel: int, stride: int, dilation: int) -> tuple[in
 
 @dataclasses.dataclass(frozen=True)
 class ConvLayer:
-    """One forward convolution of a graph, in TensorFlow's own terms."""
+    """One forward convolution of a graph, in TensorFlow's own terms. A grouped convolution's
+    filter has the input's channels / `groups` (a depthwise one, as a grouped convolution, has
+    `groups` equal to the input's channels and one input channel per group)."""
 
     name: str
     op_type: str
     input_shape: tuple[int, ...]  # in data_format order, batch first
-    filter_shape: tuple[int, ...]  # spatial..., in_channels, out_channels
+    filter_shape: tuple[int, ...]  # spatial..., in_channels / groups, out_channels
     strides: tuple[int, ...]  # over all dims, in data_format order, as the op's attribute
     dilations: tuple[int, ...]
     padding: str  # SAME, VALID or EXPLICIT
     explicit_paddings: tuple[int, ...]
     data_format: str
     dtype: str
+    groups: int = 1
+
+    def __post_init__(self):
+        channels = self.input_shape[-1 if self.channels_last else 1]
+        if channels != self.filter_shape[-2] * self.groups:
+            raise UnsupportedConvolution(
+                f"{self.name}: an input of {channels} channels and a filter for "
+                f"{self.filter_shape[-2]} are not {self.groups} group(s)")
 
     @property
     def num_spatial_dims(self) -> int:
@@ -81,10 +92,10 @@ class ConvLayer:
         padded = tuple(size + before + after - 2 * sym
                        for size, (before, after), sym in zip(self.input_spatial, pads, symmetric))
         return ConvGeometry(
-            in_channels=self.filter_shape[-2], out_channels=self.filter_shape[-1],
+            in_channels=self.filter_shape[-2] * self.groups, out_channels=self.filter_shape[-1],
             input_dims=padded, filter_dims=self.filter_shape[:-2], pads=symmetric,
             strides=self._spatial(self.strides), dilations=self._spatial(self.dilations),
-            dtype=self.dtype, layout=self.data_format)
+            dtype=self.dtype, layout=self.data_format, groups=self.groups)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,12 +105,20 @@ class UnsupportedConvolution(TfUcudnnError, ValueError):
     """A convolution op this package cannot plan for; the message names it and says why."""
 
 
-def check_not_grouped(name: str, input_channels, filter_channels) -> None:
-    """Refuses a grouped convolution (input channels other than the filter's), where both are
-    known, with the plugin's reason."""
-    if input_channels is not None and filter_channels is not None and \
-            input_channels != filter_channels:
+def conv_groups(name: str, input_channels, filter_channels, output_channels) -> Optional[int]:
+    """The groups of a convolution, as TensorFlow's Conv2D takes them: the input's channels over
+    the filter's, which must divide them, as the groups must divide the output's channels (None
+    where a count is unknown). Channels that do not divide are refused, naming the op."""
+    if None in (input_channels, filter_channels, output_channels):
+        return None
+    if filter_channels <= 0 or input_channels % filter_channels:
         raise UnsupportedConvolution(
-            f"{name}: grouped convolution ({input_channels} input channels, filter for "
-            f"{filter_channels}) is not supported")
-
+            f"{name}: the input's {input_channels} channels are not a multiple of the filter's "
+            f"{filter_channels} input channels (a grouped convolution's filter has the input's "
+            "channels / groups)")
+    groups = input_channels // filter_channels
+    if output_channels % groups:
+        raise UnsupportedConvolution(
+            f"{name}: the filter's {output_channels} output channels are not a multiple of its "
+            f"{groups} groups ({input_channels} input channels / {filter_channels})")
+    return groups

@@ -14,7 +14,9 @@ class ConvGeometry:
     """Everything about a convolution layer that its cuDNN timings depend on, except the batch size.
 
     Spatial tuples are in (depth,) height, width order; `pads` are symmetric per dimension, as
-    cuDNN's convolution descriptor takes them.
+    cuDNN's convolution descriptor takes them. `in_channels` are the input's; a grouped
+    convolution's filter has `in_channels // groups` of them, and each group makes
+    `out_channels // groups` outputs (a depthwise one has `groups == in_channels`).
     """
 
     in_channels: int
@@ -26,6 +28,7 @@ class ConvGeometry:
     dilations: tuple[int, ...]
     dtype: str
     layout: str
+    groups: int = 1
 
     def __post_init__(self):
         for name in ("input_dims", "filter_dims", "pads", "strides", "dilations"):
@@ -45,16 +48,27 @@ class ConvGeometry:
         if min(positive) <= 0 or min(self.pads) < 0:
             raise ValueError(f"channels, dims, strides and dilations must be positive and pads "
                              f"non-negative: {self}")
+        if self.groups <= 0 or self.in_channels % self.groups or self.out_channels % self.groups:
+            raise ValueError(f"groups must be positive and divide the input and output channels: "
+                             f"{self}")
 
     @property
     def conv_kind(self) -> str:
         return f"conv{len(self.input_dims)}d"
 
+    @property
+    def filter_in_channels(self) -> int:
+        return self.in_channels // self.groups
+
     def shape_key(self) -> str:
-        """Canonical text of the geometry without dtype and layout: the database's geometry key."""
+        """Canonical text of the geometry without dtype and layout: the database's geometry key.
+        Groups are in it only where there are several, so the keys of ungrouped geometries
+        stay those of databases written before groups were."""
         fields = {name: getattr(self, name) for name in
                   ("in_channels", "out_channels", "input_dims", "filter_dims", "pads", "strides",
                    "dilations")}
+        if self.groups != 1:
+            fields["groups"] = self.groups
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -64,7 +78,8 @@ class ConvGeometry:
     def __str__(self) -> str:
         def dims(values):
             return "x".join(map(str, values))
-        return (f"{self.conv_kind} {self.in_channels}->{self.out_channels}"
+        groups = f" groups {self.groups}" if self.groups != 1 else ""
+        return (f"{self.conv_kind} {self.in_channels}->{self.out_channels}{groups}"
                 f" input {dims(self.input_dims)} filter {dims(self.filter_dims)}"
                 f" pad {dims(self.pads)} stride {dims(self.strides)}"
                 f" dilation {dims(self.dilations)} {self.dtype} {self.layout}")

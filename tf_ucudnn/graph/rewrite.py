@@ -2,10 +2,14 @@
 
 Works on a `GraphDef` (its main graph and its function library alike), a `tf.Graph`, or a
 `ConcreteFunction`, whose rewritten graph is wrapped back into a callable bound to the same
-variables. Each forward Conv2D/Conv3D is grouped with the backprop nodes that
-`tf.GradientTape` made from it (same input tensor, same filter tensor, same attributes), so one
-`LayerPlan` serves the three kernels of a layer. Every convolution node left alone is reported with
-the reason.
+variables. Each forward Conv2D/Conv3D/DepthwiseConv2dNative is grouped with the backprop nodes
+that `tf.GradientTape` made from it (same input tensor, same filter tensor, same attributes), so
+one `LayerPlan` serves the three kernels of a layer. Every convolution node left alone is reported
+with the reason.
+
+Grouped Conv2D/Conv3D nodes become tf_ucudnn's ops as they are (the ops take the groups from the
+shapes). A depthwise node becomes the grouped convolution it is: its filter [kh, kw, C, M]
+reshaped to [kh, kw, 1, C * M] on the way in, and its filter gradient reshaped back.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from tf_ucudnn.core.plan import (
     LayerPlanner,
     plan_or_reason,
 )
-from tf_ucudnn.graph.conv_layers import conv_layer_of, find_conv_layers
+from tf_ucudnn.graph.conv_layers import (
+    DEPTHWISE,
+    conv_layer_of,
+    find_conv_layers,
+    grouped_filter_shape,
+)
 from tf_ucudnn.graph.functions import (
     callable_over,
     graph_of,
@@ -46,13 +55,18 @@ REPLACEMENTS = {
     "Conv2DBackpropFilter": ("UcudnnConv2DBackpropFilter", BACKPROP_FILTER),
     "Conv3DBackpropFilterV2": ("UcudnnConv3DBackpropFilter", BACKPROP_FILTER),
 }
+# Depthwise ops -> their grouped convolution's (tf_ucudnn op, kernel). Apart from REPLACEMENTS,
+# whose nodes take the same inputs as tf_ucudnn's ops (the spatial split calls those alone).
+DEPTHWISE_REPLACEMENTS = {
+    DEPTHWISE: ("UcudnnConv2D", FORWARD),
+    "DepthwiseConv2dNativeBackpropInput": ("UcudnnConv2DBackpropInput", BACKPROP_INPUT),
+    "DepthwiseConv2dNativeBackpropFilter": ("UcudnnConv2DBackpropFilter", BACKPROP_FILTER),
+}
+PLANNED = {**REPLACEMENTS, **DEPTHWISE_REPLACEMENTS}
+# The new name of a depthwise filter gradient's node, whose old name its reshaped result takes.
+GROUPED_SUFFIX = "/ucudnn_grouped"
 # Convolution-like ops tf_ucudnn has no op for, reported as left alone with why.
 UNSUPPORTED = {
-    "DepthwiseConv2dNative": "a depthwise convolution: tf_ucudnn has no depthwise op",
-    "DepthwiseConv2dNativeBackpropInput": "a depthwise convolution's gradient: tf_ucudnn has no "
-                                          "depthwise op",
-    "DepthwiseConv2dNativeBackpropFilter": "a depthwise convolution's gradient: tf_ucudnn has no "
-                                           "depthwise op",
     "Conv3DBackpropInput": "the deprecated 3-D gradient op (V1): tf_ucudnn replaces V2 only",
     "Conv3DBackpropFilter": "the deprecated 3-D gradient op (V1): tf_ucudnn replaces V2 only",
 }
@@ -62,7 +76,7 @@ _SAME_ATTRS = ("strides", "padding", "data_format", "dilations", "explicit_paddi
 
 def _replace(node, kernel_plan: KernelPlan, batch_size: int,
              extra: Optional[dict] = None) -> None:
-    node.op = REPLACEMENTS[node.op][0]
+    node.op = PLANNED[node.op][0]
     node.attr.pop("use_cudnn_on_gpu", None)
     # Plans are made for the traced batch; a graph that sees another (XLA compiling both branches
     # of the converter's batch check) runs it undivided.
@@ -80,15 +94,62 @@ def _replace(node, kernel_plan: KernelPlan, batch_size: int,
                 list=attr_value_pb2.AttrValue.ListValue(s=[v.encode() for v in value])))
 
 
+def _output(name: str, scope: str) -> str:
+    """How a node of the main graph (scope "") or of a function body reads `name`'s first output
+    (every node this pass adds names it "output")."""
+    return f"{name}:output:0" if scope else name
+
+
+def _add_node(node_defs, name: str, op: str, inputs: list, device: str):
+    added = node_defs.add()
+    added.name, added.op, added.device = name, op, device
+    added.input.extend(inputs)
+    return added
+
+
+def _add_shape(node_defs, name: str, shape: list, device: str) -> None:
+    added = _add_node(node_defs, name, "Const", [], device)
+    added.attr["dtype"].type = tf.int32.as_datatype_enum
+    added.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(shape, tf.int32))
+
+
+def _add_reshape(node_defs, name: str, tensor: str, shape: list, scope: str, node) -> None:
+    _add_shape(node_defs, f"{name}/shape", shape, node.device)
+    reshape = _add_node(node_defs, name, "Reshape",
+                        [tensor, _output(f"{name}/shape", scope)], node.device)
+    reshape.attr["T"].CopyFrom(node.attr["T"])
+    reshape.attr["Tshape"].type = tf.int32.as_datatype_enum
+
+
+def _group_depthwise(node_defs, node, kernel: str, depthwise_filter_shape: list,
+                     scope: str) -> str:
+    """Makes a depthwise node's inputs and output those of its grouped convolution: the filter
+    reshaped on its way in, or for the filter's gradient, the node's name given to the gradient
+    reshaped back (the node itself, renamed, computes the grouped one). Returns the name of the
+    node that runs the kernel."""
+    grouped = grouped_filter_shape(depthwise_filter_shape)
+    if kernel != BACKPROP_FILTER:
+        _add_reshape(node_defs, f"{node.name}/ucudnn_grouped_filter", node.input[1], grouped,
+                     scope, node)
+        node.input[1] = _output(f"{node.name}/ucudnn_grouped_filter", scope)
+        return node.name
+    name = node.name
+    node.name = name + GROUPED_SUFFIX
+    _add_shape(node_defs, f"{node.name}/filter_sizes", grouped, node.device)
+    node.input[1] = _output(f"{node.name}/filter_sizes", scope)
+    _add_reshape(node_defs, name, _output(node.name, scope), depthwise_filter_shape, scope, node)
+    return node.name
+
+
 def _attrs_match(a: tf.Operation, b: tf.Operation) -> bool:
     names = {attr.name for attr in a.op_def.attr} & {attr.name for attr in b.op_def.attr}
     return all(a.get_attr(name) == b.get_attr(name) for name in _SAME_ATTRS if name in names)
 
 
-def conv_ops(graph: tf.Graph, names=None) -> list:
-    """The graph's convolution ops that tf_ucudnn can replace (among `names`, if given)."""
+def conv_ops(graph: tf.Graph, names=None, replaced=REPLACEMENTS) -> list:
+    """The graph's convolution ops of the `replaced` types (among `names`, if given)."""
     return [op for op in graph.get_operations()
-            if op.type in REPLACEMENTS and (names is None or op.name in names)]
+            if op.type in replaced and (names is None or op.name in names)]
 
 
 def kernel_nodes(ops, forward: tf.Operation, claimed: set) -> dict:
@@ -96,9 +157,11 @@ def kernel_nodes(ops, forward: tf.Operation, claimed: set) -> dict:
     nodes `tf.GradientTape` made from it (same input, same filter, same attributes) that no
     other layer `claimed` yet; claims them."""
     nodes = {FORWARD: forward.name}
+    depthwise = forward.type in DEPTHWISE_REPLACEMENTS
     for op in ops:
-        kernel = REPLACEMENTS[op.type][1]
-        if op.name in claimed or kernel == FORWARD or not _attrs_match(op, forward):
+        kernel = PLANNED[op.type][1]
+        if op.name in claimed or kernel == FORWARD or not _attrs_match(op, forward) or \
+                (op.type in DEPTHWISE_REPLACEMENTS) != depthwise:
             continue
         if kernel == BACKPROP_INPUT and op.inputs[1].name == forward.inputs[1].name:
             nodes.setdefault(BACKPROP_INPUT, op.name)
@@ -120,15 +183,15 @@ def orphan_backprops(ops, claimed: set, scope: str) -> list:
     """Backprop nodes no layer claimed, reported as left alone."""
     return [LeftAlone(op.name, scope, "a backprop node with no forward convolution of the same "
                       "input, filter and attributes in this graph, so no layer plan to give it")
-            for op in ops if op.name not in claimed and REPLACEMENTS[op.type][1] != FORWARD]
+            for op in ops if op.name not in claimed and PLANNED[op.type][1] != FORWARD]
 
 
 def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner,
                    report: RewriteReport) -> None:
     """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place."""
     by_name = {node.name: node for node in node_defs}
-    ops = conv_ops(graph, by_name)
-    forwards = [op for op in ops if REPLACEMENTS[op.type][1] == FORWARD]
+    ops = conv_ops(graph, by_name, PLANNED)
+    forwards = [op for op in ops if PLANNED[op.type][1] == FORWARD]
     claimed = set()
     for forward in forwards:
         try:
@@ -148,6 +211,10 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
         for kernel in (BACKPROP_INPUT, BACKPROP_FILTER):
             if kernel in nodes:
                 _replace(by_name[nodes[kernel]], plan.kernel(kernel), layer.batch_size)
+        if forward.type == DEPTHWISE:
+            nodes = {kernel: _group_depthwise(node_defs, by_name[name], kernel,
+                                              forward.inputs[1].shape.as_list(), scope)
+                     for kernel, name in nodes.items()}
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
     report.left_alone.extend(LeftAlone(op.name, scope, UNSUPPORTED[op.type])
@@ -173,7 +240,7 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
             body = function_def_to_graph.function_def_to_graph(function)
         except Exception as error:  # a body TensorFlow itself cannot rebuild: say so, keep it
             for node in function.node_def:
-                if node.op in REPLACEMENTS:
+                if node.op in PLANNED:
                     report.left_alone.append(LeftAlone(
                         node.name, function.signature.name,
                         f"its function could not be rebuilt to read shapes: {error}"))
@@ -197,12 +264,13 @@ def _check_every_convolution_reported(graph_def: graph_pb2.GraphDef,
     """The pass's guarantee: every convolution-like node of the main graph and the library is
     in the report, rewritten or left alone with why."""
     reported = {(item.scope, item.node) for item in report.left_alone}
-    reported |= {(item.scope, name) for item in report.layers for name in item.nodes.values()}
+    reported |= {(item.scope, name.removesuffix(GROUPED_SUFFIX)) for item in report.layers
+                 for name in item.nodes.values()}
     scopes = [("", graph_def.node)] + [(function.signature.name, function.node_def)
                                        for function in graph_def.library.function]
     missing = [f"{scope + ': ' if scope else ''}{node.name} ({node.op})"
                for scope, nodes in scopes for node in nodes
-               if (node.op in REPLACEMENTS or node.op in UNSUPPORTED)
+               if (node.op in PLANNED or node.op in UNSUPPORTED)
                and (scope, node.name) not in reported]
     if missing:
         raise UnreportedConvolution(f"the convolution pass neither rewrote nor reported "

@@ -3,10 +3,11 @@
 Keras 3 traces `fit`'s train function with the batch dimension unknown, so the real batch size is
 first seen when a step runs. The callback therefore lets the first step run with TensorFlow's own
 convolutions while each convolution layer records the shape of its input; after that step it plans
-every layer for that shape, switches the layers' `convolution_op` to tf_ucudnn's ops carrying their
-plans, and has Keras build its train, test and predict functions again. An input of another shape
-(a last, partial batch) runs undivided. When training ends the layers get their own convolution
-back, so the model is plain again for whatever follows.
+every layer for that shape, switches the layers' convolution to tf_ucudnn's ops carrying their
+plans (`keras/layers.py`: a Conv2D's or Conv3D's `convolution_op`, grouped or not, a
+DepthwiseConv2D's `call`), and has Keras build its train, test and predict functions again. An
+input of another shape (a last, partial batch) runs undivided. When training ends the layers get
+their own convolution back, so the model is plain again for whatever follows.
 
 Where Keras compiles the step with XLA (its default on a GPU), it still does: tf_ucudnn's ops
 compile to XLA custom calls, and a layer is planned only where the profiles predict its plan
@@ -42,7 +43,13 @@ from tf_ucudnn.keras.accumulated_step import (
     train_first_batch,
 )
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
-from tf_ucudnn.keras.layers import check_keras_convolution, keras_conv_layer
+from tf_ucudnn.keras.layers import (
+    check_keras_convolution,
+    conv_filter,
+    keras_conv_layer,
+    own_convolution,
+    switch_convolution,
+)
 from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
 from tf_ucudnn.keras.planned_step import (
     KerasStepPlan,
@@ -84,7 +91,8 @@ def _convolution_layers(model: keras.Model):
 
 
 class MicroBatchCallback(keras.callbacks.Callback):
-    """Trains the model's Conv2D/Conv3D layers as micro-batched cuDNN convolutions.
+    """Trains the model's Conv2D/Conv3D (grouped or not) and DepthwiseConv2D layers as
+    micro-batched cuDNN convolutions.
 
     Args:
       workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB";
@@ -200,7 +208,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             self._patched.append(_PatchedLayer(layer, observed))
         self._left_alone_before_planning = left_alone
         for patched in self._patched:
-            self._switch(patched.layer, self._recording_op(patched))
+            switch_convolution(patched.layer, self._recording_op(patched))
         if self.options.memory_budget is not None and self.model.steps_per_execution != 1:
             raise ValueError("MicroBatchCallback with a memory_budget trains one step per call: "
                              f"compile the model with steps_per_execution=1, not "
@@ -268,7 +276,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._restore_layout_optimizer()
         self.model.__dict__.pop("train_step", None)
         for patched in self._patched:
-            self._switch(patched.layer, None)
+            switch_convolution(patched.layer, None)
         if self._jit_compile is not None:
             self.model.jit_compile = self._jit_compile
             self._jit_compile = None
@@ -311,7 +319,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     patched.fronts = front_of(patched.conv_layer)
                 report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
         for patched in self._patched:
-            self._switch(patched.layer, self._planned_op(patched) if patched.plan else None)
+            switch_convolution(patched.layer, self._planned_op(patched) if patched.plan else None)
         if report.layers and not self.model.jit_compile:
             self._layout_kept = _grappler_layout_optimizer_off()
         self.report = report
@@ -439,7 +447,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             path, kernel = key.split("|")
             patched = planned[path]
             patched.plan = patched.plan.with_kernel(kernel, configuration.plan)
-            self._switch(patched.layer, self._planned_op(patched))
+            switch_convolution(patched.layer, self._planned_op(patched))
 
     def summary(self) -> str:
         if self.report is None:
@@ -466,16 +474,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
     # Switching a layer's convolution.
 
     @staticmethod
-    def _switch(layer, convolution_op) -> None:
-        # An instance attribute shadows the class's method; deleting it restores the method.
-        if convolution_op is None:
-            layer.__dict__.pop("convolution_op", None)
-        else:
-            layer.__dict__["convolution_op"] = convolution_op
-
-    @staticmethod
     def _recording_op(patched: _PatchedLayer):
-        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+        own_op = own_convolution(patched.layer)
 
         def convolution_op(inputs, kernel):
             if inputs.shape.is_fully_defined():
@@ -487,7 +487,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     @staticmethod
     def _planned_op(patched: _PatchedLayer):
-        own_op = type(patched.layer).convolution_op.__get__(patched.layer)
+        own_op = own_convolution(patched.layer)
         layer, plan = patched.conv_layer, patched.plan
         conv = ops.conv2d if layer.num_spatial_dims == 2 else ops.conv3d
 
@@ -496,8 +496,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 return own_op(inputs, kernel)
             # Traced with the batch unknown, the op itself runs another batch size undivided:
             # XLA would compile both branches of a tf.cond, the plan's at the wrong batch too.
-            output = conv(inputs, kernel, strides=list(layer.strides), padding=layer.padding,
-                          data_format=layer.data_format, dilations=list(layer.dilations),
+            output = conv(inputs, conv_filter(patched.layer, kernel), strides=list(layer.strides),
+                          padding=layer.padding, data_format=layer.data_format,
+                          dilations=list(layer.dilations),
                           plan=plan, plan_batch_size=layer.batch_size)
             if not tf.executing_eagerly():
                 patched.forward_ops.add(output.op.name)
@@ -541,7 +542,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             self.report.layers = []
             for patched in self._patched:
                 patched.plan = None
-                self._switch(patched.layer, None)
+                switch_convolution(patched.layer, None)
             self._restore_layout_optimizer()
             # The step compiled before the plans runs on; tests and predictions trace again.
             self.model.test_function = None

@@ -1,10 +1,25 @@
-"""Keras convolution layers as `ConvLayer`s, and which ones tf_ucudnn's ops can run."""
+"""Keras convolution layers as `ConvLayer`s, which ones tf_ucudnn's ops can run, and switching a
+layer's convolution to another op.
+
+Conv2D and Conv3D, grouped or not, call their `convolution_op` method; DepthwiseConv2D has none,
+so it runs its convolution through a `call` of the same steps as Conv2D's (convolution, bias,
+activation). A depthwise layer is the convolution grouped by its input channels, its kernel
+[kh, kw, C, M] as [kh, kw, 1, C * M] (TensorFlow orders its outputs channel c * M + m).
+"""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
+from tf_ucudnn.graph.conv_layers import DEPTHWISE, grouped_filter_shape
+from tf_ucudnn.kernels.ops import depthwise_filter
+
+
+def _is_depthwise(layer) -> bool:
+    import keras
+
+    return type(layer) is keras.layers.DepthwiseConv2D
 
 
 def check_keras_convolution(layer) -> None:
@@ -13,18 +28,19 @@ def check_keras_convolution(layer) -> None:
     import keras
 
     name = getattr(layer, "path", layer.name)
+    if _is_depthwise(layer):
+        return
     if not isinstance(layer, (keras.layers.Conv2D, keras.layers.Conv3D)) or \
             type(layer).convolution_op is not keras.layers.Conv2D.convolution_op:
         raise UnsupportedConvolution(
-            f"{name}: {type(layer).__name__} is not a Keras Conv2D or Conv3D (tf_ucudnn has "
-            "2-D and 3-D convolution ops, without transposed, depthwise or custom variants)")
-    if layer.groups != 1:
-        raise UnsupportedConvolution(f"{name}: grouped convolution (groups={layer.groups}) is "
-                                     "not supported")
+            f"{name}: {type(layer).__name__} is not a Keras Conv2D or Conv3D, nor a "
+            "DepthwiseConv2D (tf_ucudnn has 2-D and 3-D convolution ops, grouped or not, without "
+            "transposed, separable or custom variants)")
 
 
 def keras_conv_layer(layer, input_shape, dtype) -> ConvLayer:
-    """The ConvLayer of a Keras Conv2D/Conv3D layer applied to an input of `input_shape`."""
+    """The ConvLayer of a Keras Conv2D/Conv3D/DepthwiseConv2D layer applied to an input of
+    `input_shape`."""
     check_keras_convolution(layer)
     rank = layer.rank
     channels_last = layer.data_format == "channels_last"
@@ -34,11 +50,61 @@ def keras_conv_layer(layer, input_shape, dtype) -> ConvLayer:
     def full(values):
         return (1, *values, 1) if channels_last else (1, 1, *values)
 
+    filter_shape = [int(d) for d in layer.kernel.shape]
+    if _is_depthwise(layer):
+        filter_shape = grouped_filter_shape(filter_shape)
+    input_channels = int(input_shape[-1 if channels_last else 1])
     return ConvLayer(
-        name=getattr(layer, "path", layer.name), op_type=f"Conv{rank}D",
-        input_shape=tuple(int(d) for d in input_shape),
-        filter_shape=tuple(int(d) for d in layer.kernel.shape),
+        name=getattr(layer, "path", layer.name),
+        op_type=DEPTHWISE if _is_depthwise(layer) else f"Conv{rank}D",
+        input_shape=tuple(int(d) for d in input_shape), filter_shape=tuple(filter_shape),
         strides=full(layer.strides), dilations=full(layer.dilation_rate),
         padding=layer.padding.upper(), explicit_paddings=(), data_format=data_format,
-        dtype=tf.as_dtype(dtype).name)
+        dtype=tf.as_dtype(dtype).name, groups=input_channels // filter_shape[-2])
 
+
+def conv_filter(layer, kernel):
+    """The layer's kernel as the filter of tf_ucudnn's convolution ops."""
+    return depthwise_filter(kernel) if _is_depthwise(layer) else kernel
+
+
+def own_convolution(layer):
+    """The layer's own convolution, (inputs, kernel) -> outputs."""
+    if not _is_depthwise(layer):
+        return type(layer).convolution_op.__get__(layer)
+    import keras
+
+    def depthwise_convolution(inputs, kernel):
+        return keras.ops.depthwise_conv(inputs, kernel, strides=layer.strides,
+                                        padding=layer.padding,
+                                        dilation_rate=layer.dilation_rate,
+                                        data_format=layer.data_format)
+    return depthwise_convolution
+
+
+def switch_convolution(layer, convolution_op) -> None:
+    """Runs the layer with `convolution_op` (inputs, kernel) -> outputs as its convolution, or
+    with its own again for None. An instance attribute shadows the class's method; deleting it
+    restores the method."""
+    name = "call" if _is_depthwise(layer) else "convolution_op"
+    if convolution_op is None:
+        layer.__dict__.pop(name, None)
+    elif _is_depthwise(layer):
+        layer.__dict__[name] = _depthwise_call(layer, convolution_op)
+    else:
+        layer.__dict__[name] = convolution_op
+
+
+def _depthwise_call(layer, convolution_op):
+    """DepthwiseConv2D's `call`, with `convolution_op` as its convolution."""
+    import keras
+
+    def call(inputs):
+        outputs = convolution_op(inputs, layer.kernel)
+        if layer.use_bias:
+            channels = int(layer.bias.shape[0])
+            shape = (1, 1, 1, channels) if layer.data_format == "channels_last" else \
+                (1, channels, 1, 1)
+            outputs = keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
+        return outputs if layer.activation is None else layer.activation(outputs)
+    return call

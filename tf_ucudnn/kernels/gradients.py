@@ -28,12 +28,13 @@ def _attrs(op):
     return {name: op.get_attr(name) for name in _CONV_ATTRS}
 
 
-def _plan(op, prefix):
+def gradient_plan_attrs(op, prefix: str) -> dict:
+    """The plan a forward op carries for one of its gradient's kernels, as that op's attrs."""
     return {"micro_batches": op.get_attr(prefix + "micro_batches"),
             "algorithms": op.get_attr(prefix + "algorithms")}
 
 
-def _workspace(op, kernel):
+def gradient_workspace(op, kernel: str) -> dict:
     """The workspace the forward op carries for one of its gradient's kernels, as that node's
     (traced only: nothing when it has none, or runs eagerly)."""
     if tf.executing_eagerly():
@@ -49,11 +50,11 @@ def _forward_grad(num_spatial):
         input, filters = op.inputs
         return [
             with_workspaces(backprop_input(tf.shape(input), filters, grad, **_attrs(op),
-                                           **_plan(op, "backprop_input_")),
-                            _workspace(op, "backprop_input_")),
+                                           **gradient_plan_attrs(op, "backprop_input_")),
+                            gradient_workspace(op, "backprop_input_")),
             with_workspaces(backprop_filter(input, tf.shape(filters), grad, **_attrs(op),
-                                            **_plan(op, "backprop_filter_")),
-                            _workspace(op, "backprop_filter_")),
+                                            **gradient_plan_attrs(op, "backprop_filter_")),
+                            gradient_workspace(op, "backprop_filter_")),
         ]
     return grad_fn
 

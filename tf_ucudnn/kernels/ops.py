@@ -5,6 +5,11 @@ Each op mirrors a TensorFlow convolution op and carries a plan (see `tf_ucudnn.c
     conv2d / conv3d                        <- tf.nn.conv2d / tf.nn.conv3d
     conv2d_backprop_input / conv3d_...     <- tf.raw_ops.Conv2DBackpropInput / Conv3DBackpropInputV2
     conv2d_backprop_filter / conv3d_...    <- tf.raw_ops.Conv2DBackpropFilter / Conv3DBackpropFilterV2
+
+As TensorFlow's Conv2D, each takes the groups of a grouped convolution from the shapes: a filter
+of in_channels / groups input channels. A depthwise convolution (`tf.nn.depthwise_conv2d`, filter
+[kh, kw, C, M]) is the grouped one with groups = C and the filter reshaped to [kh, kw, 1, C * M]
+(`depthwise_filter`): TensorFlow orders its outputs channel c * M + m, as groups are ordered.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Optional, Sequence, Union
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from tf_ucudnn.core.conv_layer import check_not_grouped
+from tf_ucudnn.core.conv_layer import conv_groups
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan, workspace_attr
 from tf_ucudnn.kernels.library import op_library
 
@@ -55,7 +60,8 @@ def _padding_attrs(padding: Padding, num_spatial: int) -> dict:
     return {"padding": "EXPLICIT", "explicit_paddings": [v for pair in pairs for v in pair]}
 
 
-def _conv_attrs(num_spatial, strides, padding, data_format, dilations) -> dict:
+def conv_attrs(num_spatial, strides, padding, data_format, dilations) -> dict:
+    """The convolution attributes the ops take, from tf.nn-style arguments."""
     default_format = "NHWC" if num_spatial == 2 else "NDHWC"
     data_format = data_format or default_format
     return {
@@ -67,7 +73,8 @@ def _conv_attrs(num_spatial, strides, padding, data_format, dilations) -> dict:
     }
 
 
-def _layer_plan(plan: Union[LayerPlan, KernelPlan, None]) -> LayerPlan:
+def as_layer_plan(plan: Union[LayerPlan, KernelPlan, None]) -> LayerPlan:
+    """A plan argument as a LayerPlan (a KernelPlan plans the forward kernel alone)."""
     if plan is None:
         return LayerPlan()
     if isinstance(plan, KernelPlan):
@@ -77,7 +84,8 @@ def _layer_plan(plan: Union[LayerPlan, KernelPlan, None]) -> LayerPlan:
     return plan
 
 
-def _forward_plan_attrs(plan: LayerPlan) -> dict:
+def forward_plan_attrs(plan: LayerPlan) -> dict:
+    """The forward op's plan attributes: its own and those its gradient will use."""
     attrs = plan.forward.attrs()
     for prefix, kernel_plan in (("backprop_input_", plan.backprop_input),
                                 ("backprop_filter_", plan.backprop_filter)):
@@ -103,20 +111,25 @@ def with_workspaces(output: tf.Tensor, workspaces: dict) -> tf.Tensor:
 
 def _forward(op_name, num_spatial, input, filters, strides, padding, data_format, dilations, plan,
              plan_batch_size, name):
-    plan = _layer_plan(plan)
+    plan = as_layer_plan(plan)
     # Where the shapes tell, the plugin's reason, before TensorFlow's shape function gives its own.
-    check_not_grouped(op_name if name is None else name,
-                      tf.TensorShape(input.shape)[-1 if (data_format or "NHWC").endswith("C")
-                                                  else 1],
-                      tf.TensorShape(filters.shape)[-2])
+    filter_shape = tf.TensorShape(filters.shape)
+    conv_groups(op_name if name is None else name,
+                tf.TensorShape(input.shape)[-1 if (data_format or "NHWC").endswith("C") else 1],
+                filter_shape[-2], filter_shape[-1])
     op = getattr(op_library(), op_name)
     output = op(input, filters,
-                **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
-                **_forward_plan_attrs(plan),
+                **conv_attrs(num_spatial, strides, padding, data_format, dilations),
+                **forward_plan_attrs(plan),
                 plan_batch_size=-1 if plan_batch_size is None else plan_batch_size, name=name)
-    return with_workspaces(output, {"": plan.forward.workspace_bytes,
-                                    "backprop_input_": plan.backprop_input.workspace_bytes,
-                                    "backprop_filter_": plan.backprop_filter.workspace_bytes})
+    return with_workspaces(output, plan_workspaces(plan))
+
+
+def plan_workspaces(plan: LayerPlan) -> dict:
+    """The workspaces a forward op's node carries for the memory planner, by kernel prefix."""
+    return {"": plan.forward.workspace_bytes,
+            "backprop_input_": plan.backprop_input.workspace_bytes,
+            "backprop_filter_": plan.backprop_filter.workspace_bytes}
 
 
 def conv2d(input, filters, strides, padding: Padding, data_format: str = "NHWC", dilations=None,
@@ -141,12 +154,19 @@ def conv3d(input, filters, strides, padding: Padding, data_format: str = "NDHWC"
                     dilations, plan, plan_batch_size, name)
 
 
+def depthwise_filter(filters):
+    """A `tf.nn.depthwise_conv2d` filter [kh, kw, C, M] as the filter of the same convolution
+    grouped C ways, [kh, kw, 1, C * M], for `conv2d` (and back with `tf.reshape`)."""
+    kh, kw, channels, multiplier = tf.TensorShape(filters.shape).as_list()
+    return tf.reshape(filters, [kh, kw, 1, channels * multiplier])
+
+
 def _backprop(op_name, num_spatial, first, second, out_backprop, strides, padding, data_format,
               dilations, plan, name):
     plan = _kernel_plan(plan)
     op = getattr(op_library(), op_name)
     output = op(first, second, out_backprop,
-                **_conv_attrs(num_spatial, strides, padding, data_format, dilations),
+                **conv_attrs(num_spatial, strides, padding, data_format, dilations),
                 **plan.attrs(), name=name)
     return with_workspaces(output, {"": plan.workspace_bytes})
 

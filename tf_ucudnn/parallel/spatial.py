@@ -259,7 +259,8 @@ def conv(slabs: Slabs, filters, strides=1, padding: str = "SAME", dilations=1,
                 filter_shape=tuple(filters.shape), strides=tuple(attrs["strides"]),
                 dilations=tuple(attrs["dilations"]), padding="EXPLICIT",
                 explicit_paddings=tuple(v for pair in pads for v in pair),
-                data_format="NHWC" if spatial == 2 else "NDHWC", dtype=rows.dtype.name))
+                data_format="NHWC" if spatial == 2 else "NDHWC", dtype=rows.dtype.name,
+                groups=int(rows.shape[-1]) // int(filters.shape[-2])))
         # The rows were taken to give exactly the device's outputs.
         return convolve(rows, filters, padding=pads, plan=None if isinstance(plan, str) else plan,
                         **attrs)

@@ -86,7 +86,8 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
         def random(shape, seed):
             return tf.cast(tf.random.stateless_normal(shape, seed=[seed, 0]), dtype)
         x = random(_full_shape(geometry, batch, geometry.in_channels, geometry.input_dims), 1)
-        w = random([*geometry.filter_dims, geometry.in_channels, geometry.out_channels], 2)
+        w = random([*geometry.filter_dims, geometry.filter_in_channels, geometry.out_channels],
+                   2)
         dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
         rows = op_library().ucudnn_profile_convolution(
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,

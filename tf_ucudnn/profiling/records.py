@@ -3,7 +3,8 @@
 Records are plain data and travel as JSON lines. Two line layouts are read:
 
 * this module's own, which `write_jsonl` writes and which holds any 2-D or 3-D geometry:
-  `input_dims`, `filter_dims`, `pads`, `strides`, `dilations` as lists, `math` as a name;
+  `input_dims`, `filter_dims`, `pads`, `strides`, `dilations` as lists, `math` as a name, and
+  `groups` for a grouped convolution (absent: 1, as in lines written before groups were);
 * the layout of the measured files in shared/profiles (2-D only): `height`, `width`,
   `kernel_h`, `kernel_w`, square `pad` and `stride`, dilation 1, `math` as its cudnnMathType_t
   value.
@@ -126,6 +127,7 @@ class ProfileRecord:
             "in_channels": g.in_channels, "out_channels": g.out_channels,
             "input_dims": list(g.input_dims), "filter_dims": list(g.filter_dims),
             "pads": list(g.pads), "strides": list(g.strides), "dilations": list(g.dilations),
+            **({"groups": g.groups} if g.groups != 1 else {}),
             "kernel": self.kernel, "batch": self.batch_size, "algo": self.algo, "math": self.math,
             "time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes,
         })
@@ -144,7 +146,7 @@ class ProfileRecord:
                 in_channels=data["in_channels"], out_channels=data["out_channels"],
                 input_dims=data["input_dims"], filter_dims=data["filter_dims"], pads=data["pads"],
                 strides=data["strides"], dilations=data["dilations"], dtype=data["dtype"],
-                layout=data["format"])
+                layout=data["format"], groups=data.get("groups", 1))  # older lines: ungrouped
         else:  # shared/profiles layout: square padding and stride, dilation 1
             geometry = ConvGeometry(
                 in_channels=data["in_channels"], out_channels=data["out_channels"],
