@@ -10,6 +10,7 @@ COMMON_SOURCES = [
     "cc/conv/conv_ops.cc",
     "cc/conv/conv_xla.cc",
     "cc/conv/micro_batch_plan.cc",
+    "cc/conv/self_check.cc",
     "cc/fused_conv/fused_conv_cpu.cc",
     "cc/fused_conv/fused_conv_ops.cc",
     "cc/profile/profile_ops.cc",

@@ -285,6 +285,13 @@ struct ConvLauncher<CPUDevice, T> {
     }
     return absl::OkStatus();
   }
+
+  static absl::Status ToHost(tensorflow::OpKernelContext*, const T* data, int64_t count,
+                             std::vector<double>* host) {
+    host->resize(count);
+    for (int64_t i = 0; i < count; ++i) (*host)[i] = AsDouble(data[i]);
+    return absl::OkStatus();
+  }
 };
 
 #define REGISTER_CPU(T)                                                                        \

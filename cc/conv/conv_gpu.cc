@@ -5,6 +5,9 @@
 
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
 #include "cc/conv/conv_op_kernel.h"
 #include "cc/cudnn/convolution.h"
 #include "cc/cudnn/op_kernel_resources.h"
@@ -22,6 +25,22 @@ struct ConvLauncher<GPUDevice, T> {
     OpKernelResources resources(ctx);
     return RunConvolution(&resources, kernel, geometry, micro_batches, CudnnDataType<T>::value,
                           {buffers.input, buffers.filter, buffers.output});
+  }
+
+  static absl::Status ToHost(tensorflow::OpKernelContext* ctx, const T* data, int64_t count,
+                             std::vector<double>* host) {
+    std::vector<T> copied(count);
+    const cudaStream_t stream = ctx->eigen_gpu_device().stream();
+    cudaError_t error = cudaMemcpyAsync(copied.data(), data, count * sizeof(T),
+                                        cudaMemcpyDeviceToHost, stream);
+    if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+    if (error != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("copying a result to the host: ",
+                                              cudaGetErrorString(error)));
+    }
+    host->resize(count);
+    for (int64_t i = 0; i < count; ++i) (*host)[i] = AsDouble(copied[i]);
+    return absl::OkStatus();
   }
 };
 

@@ -3,6 +3,7 @@
 #ifndef TF_UCUDNN_CC_CONV_CONV_OP_KERNEL_H_
 #define TF_UCUDNN_CC_CONV_CONV_OP_KERNEL_H_
 
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "cc/conv/conv_attrs.h"
 #include "cc/conv/conv_geometry.h"
 #include "cc/conv/micro_batch_plan.h"
+#include "cc/conv/self_check.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -23,6 +25,9 @@ struct ConvLauncher {
   static absl::Status Run(tensorflow::OpKernelContext* ctx, ConvKernel kernel,
                           const ConvGeometry& geometry,
                           const std::vector<MicroBatch>& micro_batches, ConvBuffers<T> buffers);
+  // `count` values of the device's `data` on the host, as doubles (for the self-check).
+  static absl::Status ToHost(tensorflow::OpKernelContext* ctx, const T* data, int64_t count,
+                             std::vector<double>* host);
 };
 
 // plan_batch_size: -1, or the batch size the plan is for, which it must add up to.
@@ -55,7 +60,9 @@ inline std::vector<int64_t> Dims(const tensorflow::TensorShape& shape) {
 template <typename Device, typename T, ConvKernel kKernel, int kNumSpatialDims>
 class UcudnnConvOp : public tensorflow::OpKernel {
  public:
-  explicit UcudnnConvOp(tensorflow::OpKernelConstruction* ctx) : tensorflow::OpKernel(ctx) {
+  explicit UcudnnConvOp(tensorflow::OpKernelConstruction* ctx)
+      : tensorflow::OpKernel(ctx),
+        self_check_(SelfCheckFromEnvironment(tensorflow::DataTypeToEnum<T>::value)) {
     absl::Status status = ReadConvAttrs(ctx, kNumSpatialDims, &attrs_);
     OP_REQUIRES(ctx, status.ok(), Describe(status));
     status = ReadPlanAttrs(ctx, kKernel, OwnPlanAttrs(), &plan_);
@@ -128,6 +135,9 @@ class UcudnnConvOp : public tensorflow::OpKernel {
         break;
     }
     status = ConvLauncher<Device, T>::Run(ctx, kKernel, geometry, micro_batches, buffers);
+    if (status.ok() && self_check_.enabled && geometry.batch > 0 && !checked_.exchange(true)) {
+      status = CheckAgainstReference(ctx, geometry, buffers, *result);
+    }
     OP_REQUIRES(ctx, status.ok(), Describe(status));
   }
 
@@ -139,6 +149,49 @@ class UcudnnConvOp : public tensorflow::OpKernel {
                         absl::StrCat(type_string(), " '", name(), "' (", KernelName(kKernel),
                                      " kernel, plan ", plan_.DebugString(), "): ",
                                      status.message()));
+  }
+
+  // The self-check (self_check.h): this run's result against one undivided reference run.
+  absl::Status CheckAgainstReference(tensorflow::OpKernelContext* ctx,
+                                     const ConvGeometry& geometry, ConvBuffers<T> buffers,
+                                     const tensorflow::Tensor& result) {
+    tensorflow::Tensor reference;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(result.dtype(), result.shape(), &reference));
+    ConvBuffers<T> reference_buffers = buffers;
+    T* reference_data = Mutable(reference);
+    switch (kKernel) {
+      case ConvKernel::kForward:
+        reference_buffers.output = reference_data;
+        break;
+      case ConvKernel::kBackpropInput:
+        reference_buffers.input = reference_data;
+        break;
+      case ConvKernel::kBackpropFilter:
+        reference_buffers.filter = reference_data;
+        break;
+    }
+    const MicroBatch whole = ReferenceMicroBatch(geometry.batch);
+    absl::Status status =
+        ConvLauncher<Device, T>::Run(ctx, kKernel, geometry, {whole}, reference_buffers);
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat("self-check: the reference run (undivided, ",
+                                       whole.algorithm.ToString(), ") failed: ",
+                                       status.message()));
+    }
+    std::vector<double> planned, expected;
+    TF_RETURN_IF_ERROR(ConvLauncher<Device, T>::ToHost(ctx, Mutable(result),
+                                                       result.NumElements(), &planned));
+    TF_RETURN_IF_ERROR(ConvLauncher<Device, T>::ToHost(ctx, reference_data,
+                                                       reference.NumElements(), &expected));
+    const double error = NormalizedL2Error(planned, expected);
+    if (!(error <= self_check_.tolerance)) {
+      return absl::InternalError(absl::StrCat(
+          "self-check failed: the planned result's normalized L2 error against one undivided "
+          "run of the reference algorithm (", whole.algorithm.ToString(), ") is ", error,
+          ", over the tolerance of ", self_check_.tolerance));
+    }
+    return absl::OkStatus();
   }
 
   static absl::Status ShapeFromSizes(const tensorflow::Tensor& sizes, const char* what,
@@ -166,6 +219,8 @@ class UcudnnConvOp : public tensorflow::OpKernel {
   ConvAttrs attrs_;
   MicroBatchPlan plan_;
   int64_t plan_batch_size_ = -1;
+  const SelfCheckSetting self_check_;
+  std::atomic<bool> checked_{false};  // the first run only
 };
 
 }  // namespace tf_ucudnn
