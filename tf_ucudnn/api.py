@@ -19,7 +19,7 @@ import tensorflow as tf
 from tf_ucudnn.core.plan import LayerPlanner
 from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError, Size
 from tf_ucudnn.parallel import spatial
-from tf_ucudnn.pipeline import plan_graph
+from tf_ucudnn.pipeline import UNFUSED_UNDER_XLA, plan_graph
 
 
 def rewrite(target, planner: Optional[LayerPlanner] = None, *,
@@ -35,10 +35,14 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *,
 
     A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
     inputs, outputs and captured variables, compiled by XLA with `jit_compile` (tf_ucudnn's ops
-    become XLA custom calls on the GPU; any rewritten function may also be wrapped in
-    `tf.function(..., jit_compile=True)` later). With `inline_functions`, a ConcreteFunction's
-    calls to other functions (a restored SavedModel's signatures are such calls) are inlined
-    first.
+    become XLA custom calls on the GPU). With `inline_functions`, a ConcreteFunction's calls to
+    other functions (a restored SavedModel's signatures are such calls) are inlined first.
+
+    Each planned convolution read by a BiasAdd alone, itself read by one Relu or by no
+    activation, runs with them as one fused op (`tf_ucudnn.kernels.fused_conv`), named as the
+    last op it replaces; the report's `fused` lists those and `not_fused` the other planned
+    layers with why. The fused op has no XLA kernel: with `jit_compile=True` nothing is fused,
+    and a rewritten function with fused layers cannot be compiled by XLA later.
 
     Convolution plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason),
     or from the profile database for `workspace_limit` per kernel (64 MiB unless given; None
@@ -83,9 +87,10 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *,
         devices = list(devices) if devices else spatial.default_devices(spatial_split)
         if spatial_split is not None and len(devices) != spatial_split:
             raise OptionsError(f"spatial_split={spatial_split} but {len(devices)} devices given")
-    rewritten, report = plan_graph(target, options, planner, spatial_devices=devices,
-                                   inline_functions=inline_functions, device_model=device_model,
-                                   step_ms=step_ms)
+    rewritten, report = plan_graph(
+        target, options, planner, spatial_devices=devices, inline_functions=inline_functions,
+        device_model=device_model, step_ms=step_ms,
+        unfused_because=UNFUSED_UNDER_XLA if jit_compile else None)
     return _compiled(rewritten, jit_compile), report
 
 

@@ -56,13 +56,23 @@ def conv_planner(options: Options, planner: Optional[LayerPlanner] = None,
         yield opened
 
 
+# Why layers keep their convolution, bias and activation apart: under a memory budget, and where
+# XLA compiles the step.
+UNFUSED_UNDER_MEMORY_BUDGET = ("under a memory budget: the memory plan (swaps, recomputations, "
+                               "workspaces) is not yet tested with fused layers")
+UNFUSED_UNDER_XLA = "compiled by XLA, which has no kernel for the fused op"
+
+
 def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None, *,
                spatial_devices: Optional[Sequence[str]] = None, inline_functions: bool = False,
-               device_model: Optional[DeviceModel] = None, step_ms: Optional[float] = None):
+               device_model: Optional[DeviceModel] = None, step_ms: Optional[float] = None,
+               unfused_because: Optional[str] = None):
     """Runs the passes on a GraphDef, a tf.Graph or a ConcreteFunction: the convolutions planned
-    and rewritten (or split over `spatial_devices`, each part planned), then, with a memory
-    budget, the step's swaps, recomputations and micro-batched first ops. Returns (rewritten,
-    report); a ConcreteFunction gives a callable over the same inputs and variables."""
+    and rewritten (or split over `spatial_devices`, each part planned), each fused with its bias
+    and ReLU where it can be, unless `unfused_because` or a memory budget says why not; then,
+    with a memory budget, the step's swaps, recomputations and micro-batched first ops. Returns
+    (rewritten, report); a ConcreteFunction gives a callable over the same inputs and
+    variables."""
     if options.memory_budget is not None and not is_concrete_function(target):
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
                         f"(got {type(target).__name__})")
@@ -73,8 +83,11 @@ def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None,
                 graph_def, list(spatial_devices), chosen, graph),
                 inline_functions=inline_functions)
         elif chosen is not None:
+            if options.memory_budget is not None:
+                unfused_because = UNFUSED_UNDER_MEMORY_BUDGET
             rewritten, report = rewrite_convolutions(target, chosen,
-                                                     inline_functions=inline_functions)
+                                                     inline_functions=inline_functions,
+                                                     unfused_because=unfused_because)
         fronts = (kernel_fronts(chosen, report)
                   if options.memory_budget is not None and chosen is not None else {})
     if not report.layers and not report.spatial:

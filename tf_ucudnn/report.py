@@ -30,10 +30,36 @@ class LeftAlone:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedLayer:
+    """A planned convolution that runs with its bias and activation as one fused op."""
+
+    layer: str  # the convolution's node (rewrite) or the Keras layer's path (callback)
+    scope: str
+    activation: str  # "relu" or "identity"
+    # The rewrite's fused node, named as the last node it replaced so that its readers, fetches
+    # and control dependencies still find it, and the nodes it replaced; empty in the callback.
+    node: str = ""
+    replaced: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class NotFused:
+    """A planned convolution whose bias and activation (if any) stay separate ops, and why."""
+
+    layer: str
+    scope: str
+    reason: str
+
+
 @dataclasses.dataclass
 class RewriteReport:
     layers: list = dataclasses.field(default_factory=list)
     left_alone: list = dataclasses.field(default_factory=list)
+    # Of the planned layers: those fused with their bias and activation (FusedLayer) and the
+    # others with why (NotFused).
+    fused: list = dataclasses.field(default_factory=list)
+    not_fused: list = dataclasses.field(default_factory=list)
     spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
     # The memory plan, when one was made: a tf_ucudnn.memory.search.step_plan.MemoryPlan, or
     # from the callback, a tf_ucudnn.keras.accumulated_step.AccumulationPlan.
@@ -50,6 +76,8 @@ class RewriteReport:
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
                 "left_alone": [dataclasses.asdict(item) for item in self.left_alone],
+                "fused": [dataclasses.asdict(item) for item in self.fused],
+                "not_fused": [dataclasses.asdict(item) for item in self.not_fused],
                 "spatial": [item.to_json() for item in self.spatial],
                 "memory": self.memory.to_json() if self.memory else None,
                 "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
@@ -70,6 +98,12 @@ class RewriteReport:
         for item in self.left_alone:
             where = f" (in {item.scope})" if item.scope else ""
             lines.append(f"  left alone {item.node}{where}: {item.reason}")
+        for item in self.fused:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  fused {item.layer}{where} with its bias and {item.activation}")
+        for item in self.not_fused:
+            where = f" (in {item.scope})" if item.scope else ""
+            lines.append(f"  not fused {item.layer}{where}: {item.reason}")
         if self.memory:
             lines.append(self.memory.to_text())
         if self.memory_prefix and self.memory_prefix.cut:

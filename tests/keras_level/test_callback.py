@@ -184,7 +184,61 @@ def test_while_training_the_layers_run_tf_ucudnn_ops():
 
     _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0), Probe()],
          epochs=1)
-    assert "UcudnnConv2D" in seen["types"]
+    # Each Conv2D has a bias and a ReLU: its convolution, bias and activation run fused.
+    assert "UcudnnFusedConv2D" in seen["types"] and "Conv2D" not in seen["types"]
+
+
+def _fusion_style():
+    """Layers the callback fuses (bias and ReLU, bias alone, channels first, 3-D) and ones it
+    does not (no bias, another activation)."""
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((12, 12, 3)),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.Conv2D(8, 3, strides=2, padding="valid"),
+        layers.Conv2D(8, 3, padding="same", use_bias=False, activation="relu"),
+        layers.Conv2D(8, 3, padding="same", groups=2, activation="relu6"),
+        layers.Reshape((5, 5, 8, 1)),
+        layers.Conv3D(4, 3, padding="same", activation="relu"),
+        layers.Reshape((5, 5, 32)),
+        layers.Permute((3, 1, 2)),
+        layers.Conv2D(8, 3, padding="same", dilation_rate=2, data_format="channels_first",
+                      activation="relu"),
+        layers.GlobalAveragePooling2D(data_format="channels_first"),
+        layers.Dense(4),
+    ])
+
+
+def test_layers_with_a_bias_and_a_relu_or_none_train_fused_to_the_same_weights():
+    plain, plain_history = _fit(_fusion_style, [])
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen.update(types=_op_types(self.model))
+
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    planned, planned_history = _fit(_fusion_style, [callback, Probe()])
+
+    paths = [layer.path for layer in planned.layers]
+    assert [(item.layer, item.activation) for item in callback.report.fused] == [
+        (paths[0], "relu"), (paths[1], "identity"), (paths[5], "relu"), (paths[8], "relu")]
+    reasons = {item.layer: item.reason for item in callback.report.not_fused}
+    assert "use_bias=False" in reasons[paths[2]] and "relu6" in reasons[paths[3]]
+    assert f"fused {paths[0]} with its bias and relu" in callback.summary()
+    assert {"UcudnnFusedConv2D", "UcudnnFusedConv3D", "UcudnnConv2D"} <= seen["types"]
+    np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert all("call" not in vars(layer) for layer in planned.layers)
+
+
+def test_under_xla_the_callback_fuses_nothing_and_says_why():
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=0, verbose=0)
+    _fit(_vgg_style, [callback], epochs=1, jit_compile=True)
+    assert callback.report.fused == [] and callback.report.not_fused
+    assert all("XLA" in item.reason for item in callback.report.not_fused)
 
 
 def test_with_a_memory_budget_training_follows_the_memory_plan():

@@ -43,8 +43,16 @@ from tf_ucudnn.graph.functions import (
     inline_function_calls,
     is_concrete_function,
 )
+from tf_ucudnn.graph.fusion import (
+    Fusion,
+    control_dependencies,
+    function_results,
+    fuse_nodes,
+    fusion_or_reason,
+    xla_compiled,
+)
 from tf_ucudnn.kernels.library import load_ops
-from tf_ucudnn.report import LeftAlone, RewriteReport, RewrittenLayer
+from tf_ucudnn.report import FusedLayer, LeftAlone, NotFused, RewriteReport, RewrittenLayer
 
 # TensorFlow op -> (tf_ucudnn op, kernel).
 REPLACEMENTS = {
@@ -187,9 +195,13 @@ def orphan_backprops(ops, claimed: set, scope: str) -> list:
 
 
 def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner,
-                   report: RewriteReport) -> None:
-    """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place."""
+                   report: RewriteReport, kept: set, unfused_because: Optional[str],
+                   returns=None) -> None:
+    """Rewrites `node_defs` (the NodeDefs `graph` was built from) in place, fusing each planned
+    layer with its bias and activation where it can (`kept`: names that must stay; `returns`: a
+    function body's ret map) unless `unfused_because` says why none is."""
     by_name = {node.name: node for node in node_defs}
+    kept = kept | control_dependencies(node_defs)
     ops = conv_ops(graph, by_name, PLANNED)
     forwards = [op for op in ops if PLANNED[op.type][1] == FORWARD]
     claimed = set()
@@ -215,6 +227,16 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
             nodes = {kernel: _group_depthwise(node_defs, by_name[name], kernel,
                                               forward.inputs[1].shape.as_list(), scope)
                      for kernel, name in nodes.items()}
+        fusion = fusion_or_reason(forward, kept)
+        if isinstance(fusion, Fusion) and unfused_because is None:
+            fuse_nodes(node_defs, fusion, returns)
+            by_name = {node.name: node for node in node_defs}  # the replaced nodes are gone
+            nodes[FORWARD] = fusion.name
+            report.fused.append(FusedLayer(forward.name, scope, fusion.activation, fusion.name,
+                                           fusion.nodes))
+        else:
+            reason = fusion if isinstance(fusion, str) else unfused_because
+            report.not_fused.append(NotFused(forward.name, scope, reason))
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
     report.left_alone.extend(LeftAlone(op.name, scope, UNSUPPORTED[op.type])
@@ -223,18 +245,24 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
 
 
 def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
-                      graph: Optional[tf.Graph] = None) -> tuple[graph_pb2.GraphDef, RewriteReport]:
+                      graph: Optional[tf.Graph] = None, unfused_because: Optional[str] = None,
+                      ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
     """A copy of `graph_def` with its convolutions (main graph and library) replaced.
 
     `graph`, the graph `graph_def` came from, gives shapes a bare GraphDef may not hold (a
-    variable's, for one); without it the GraphDef is imported to infer them.
+    variable's, for one); without it the GraphDef is imported to infer them. Each planned layer
+    followed by its bias (and a ReLU) runs them in one fused op (`graph/fusion.py`), unless
+    `unfused_because` gives why no layer may (the report's `not_fused` says it for each layer).
+    The fused node keeps the last replaced node's name; the convolution's and the BiasAdd's
+    names are gone, so a caller fetching those from a bare GraphDef or tf.Graph should pass
+    `unfused_because`.
     """
     load_ops()  # the rewritten graph is imported, with tf_ucudnn's ops in it
     rewritten = graph_pb2.GraphDef()
     rewritten.CopyFrom(graph_def)
     report = RewriteReport()
     graph = graph_of(graph_def, graph)
-    scopes = [("", graph, rewritten.node)]
+    scopes = [("", graph, rewritten.node, set(), unfused_because, None)]
     for function in rewritten.library.function:
         try:
             body = function_def_to_graph.function_def_to_graph(function)
@@ -245,12 +273,14 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
                         node.name, function.signature.name,
                         f"its function could not be rebuilt to read shapes: {error}"))
             continue
-        scopes.append((function.signature.name, body, function.node_def))
+        scopes.append((function.signature.name, body, function.node_def,
+                       function_results(function), unfused_because or xla_compiled(function),
+                       function.ret))
     prepare = getattr(planner, "prepare", None)
     if prepare is not None:  # a planner for the whole network sees every layer first
-        prepare([layer for _, body, _ in scopes for layer in find_conv_layers(body)[0]])
-    for scope, body, node_defs in scopes:
-        _rewrite_nodes(body, node_defs, scope, planner, report)
+        prepare([layer for _, body, *_ in scopes for layer in find_conv_layers(body)[0]])
+    for scope, body, node_defs, kept, unfused, returns in scopes:
+        _rewrite_nodes(body, node_defs, scope, planner, report, kept, unfused, returns)
     _check_every_convolution_reported(graph_def, report)
     return rewritten, report
 
@@ -266,6 +296,7 @@ def _check_every_convolution_reported(graph_def: graph_pb2.GraphDef,
     reported = {(item.scope, item.node) for item in report.left_alone}
     reported |= {(item.scope, name.removesuffix(GROUPED_SUFFIX)) for item in report.layers
                  for name in item.nodes.values()}
+    reported |= {(item.scope, item.layer) for item in report.fused}
     scopes = [("", graph_def.node)] + [(function.signature.name, function.node_def)
                                        for function in graph_def.library.function]
     missing = [f"{scope + ': ' if scope else ''}{node.name} ({node.op})"
@@ -277,16 +308,19 @@ def _check_every_convolution_reported(graph_def: graph_pb2.GraphDef,
                                     f"{len(missing)} node(s): {', '.join(missing[:5])}")
 
 
-def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: bool = False):
+def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: bool = False,
+                         unfused_because: Optional[str] = None):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef. A ConcreteFunction gives a tf.function over the same
     inputs, outputs and captured variables, running the rewritten graph. With `inline_functions`,
     a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
     calls) are inlined first, so that their convolutions get the caller's fully known shapes.
+    Layers are fused with their bias and ReLU unless `unfused_because` says why not (see
+    `rewrite_graph_def`).
     """
     return apply_graph_pass(target, lambda graph_def, graph: rewrite_graph_def(
-        graph_def, planner, graph), inline_functions=inline_functions)
+        graph_def, planner, graph, unfused_because), inline_functions=inline_functions)
 
 
 def apply_graph_pass(target, graph_pass, *, inline_functions: bool = False):

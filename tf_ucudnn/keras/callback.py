@@ -46,9 +46,12 @@ from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.layers import (
     check_keras_convolution,
     conv_filter,
+    fused_activation,
+    fusion_refusal,
     keras_conv_layer,
     own_convolution,
     switch_convolution,
+    switch_fused_call,
 )
 from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
 from tf_ucudnn.keras.planned_step import (
@@ -57,12 +60,24 @@ from tf_ucudnn.keras.planned_step import (
     plan_keras_step_with_workspaces,
 )
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
-from tf_ucudnn.kernels import ops
+from tf_ucudnn.kernels import fused_conv, ops
 from tf_ucudnn.memory import DeviceModel
 from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, Size
-from tf_ucudnn.pipeline import conv_planner, leave_alone_because
+from tf_ucudnn.pipeline import (
+    UNFUSED_UNDER_MEMORY_BUDGET,
+    UNFUSED_UNDER_XLA,
+    conv_planner,
+    leave_alone_because,
+)
 from tf_ucudnn.profiling.database import ProfileDatabaseError
-from tf_ucudnn.report import LeftAlone, RewriteReport, RewrittenLayer, StepTrial
+from tf_ucudnn.report import (
+    FusedLayer,
+    LeftAlone,
+    NotFused,
+    RewriteReport,
+    RewrittenLayer,
+    StepTrial,
+)
 
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                       keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -320,6 +335,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 report.layers.append(RewrittenLayer(patched.conv_layer, "", {}, plan))
         for patched in self._patched:
             switch_convolution(patched.layer, self._planned_op(patched) if patched.plan else None)
+            if patched.plan:
+                self._fuse(patched, report)
         if report.layers and not self.model.jit_compile:
             self._layout_kept = _grappler_layout_optimizer_off()
         self.report = report
@@ -505,6 +522,36 @@ class MicroBatchCallback(keras.callbacks.Callback):
             return output
         return convolution_op
 
+    def _fuse(self, patched: _PatchedLayer, report: RewriteReport) -> None:
+        """Runs a planned layer's convolution, bias and activation as one fused op where it can,
+        and reports which it did."""
+        path = patched.layer.path
+        refusal = (UNFUSED_UNDER_XLA if self.model.jit_compile else
+                   UNFUSED_UNDER_MEMORY_BUDGET if self.options.memory_budget is not None else
+                   fusion_refusal(patched.layer))
+        if refusal is not None:
+            report.not_fused.append(NotFused(path, "", refusal))
+            return
+        activation = fused_activation(patched.layer)
+        switch_fused_call(patched.layer, self._fused_op(patched, activation))
+        report.fused.append(FusedLayer(path, "", activation))
+
+    @staticmethod
+    def _fused_op(patched: _PatchedLayer, activation: str):
+        own_call = type(patched.layer).call.__get__(patched.layer)
+        layer, plan = patched.conv_layer, patched.plan
+        fused = fused_conv.fused_conv2d if layer.num_spatial_dims == 2 else \
+            fused_conv.fused_conv3d
+
+        def fused_op(inputs, kernel, bias):
+            if inputs.shape.is_fully_defined() and tuple(inputs.shape) != layer.input_shape:
+                return own_call(inputs)  # another shape: the layer's own steps
+            return fused(inputs, conv_filter(patched.layer, kernel), bias,
+                         strides=list(layer.strides), padding=layer.padding,
+                         data_format=layer.data_format, dilations=list(layer.dilations),
+                         activation=activation, plan=plan, plan_batch_size=layer.batch_size)
+        return fused_op
+
     def _retrace(self) -> None:
         self.model.train_function = None
         self.model.make_train_function()
@@ -539,7 +586,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                       f"ms, with {result.own} {result.unplanned_median_ms:.2f} ms")
             self.report.left_alone += [LeftAlone(item.layer.name, "", reason)
                                        for item in self.report.layers]
-            self.report.layers = []
+            self.report.layers, self.report.fused, self.report.not_fused = [], [], []
             for patched in self._patched:
                 patched.plan = None
                 switch_convolution(patched.layer, None)

@@ -3,11 +3,15 @@ layer's convolution to another op.
 
 Conv2D and Conv3D, grouped or not, call their `convolution_op` method; DepthwiseConv2D has none,
 so it runs its convolution through a `call` of the same steps as Conv2D's (convolution, bias,
-activation). A depthwise layer is the convolution grouped by its input channels, its kernel
-[kh, kw, C, M] as [kh, kw, 1, C * M] (TensorFlow orders its outputs channel c * M + m).
+activation). A layer with a bias and a ReLU or no activation can instead run all three as one
+fused op, its `call` switched (`switch_fused_call`). A depthwise layer is the convolution grouped
+by its input channels, its kernel [kh, kw, C, M] as [kh, kw, 1, C * M] (TensorFlow orders its
+outputs channel c * M + m).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import tensorflow as tf
 
@@ -84,11 +88,12 @@ def own_convolution(layer):
 
 def switch_convolution(layer, convolution_op) -> None:
     """Runs the layer with `convolution_op` (inputs, kernel) -> outputs as its convolution, or
-    with its own again for None. An instance attribute shadows the class's method; deleting it
-    restores the method."""
+    with its own convolution and `call` again for None. An instance attribute shadows the
+    class's method; deleting it restores the method."""
     name = "call" if _is_depthwise(layer) else "convolution_op"
     if convolution_op is None:
-        layer.__dict__.pop(name, None)
+        layer.__dict__.pop("convolution_op", None)
+        layer.__dict__.pop("call", None)
     elif _is_depthwise(layer):
         layer.__dict__[name] = _depthwise_call(layer, convolution_op)
     else:
@@ -108,3 +113,29 @@ def _depthwise_call(layer, convolution_op):
             outputs = keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
         return outputs if layer.activation is None else layer.activation(outputs)
     return call
+
+
+def fusion_refusal(layer) -> Optional[str]:
+    """Why a Keras convolution layer cannot run its convolution, bias and activation as one
+    fused op (which adds a bias and applies a ReLU or nothing), or None where it can."""
+    import keras
+
+    if not layer.use_bias:
+        return "no bias (use_bias=False): nothing to fuse with the convolution"
+    if layer.activation not in (keras.activations.relu, keras.activations.linear):
+        name = getattr(layer.activation, "__name__", type(layer.activation).__name__)
+        return f"its activation {name} is neither relu nor linear, the ones the fused op applies"
+    return None
+
+
+def fused_activation(layer) -> str:
+    """The fused op's activation for a layer `fusion_refusal` accepts."""
+    import keras
+
+    return "relu" if layer.activation is keras.activations.relu else "identity"
+
+
+def switch_fused_call(layer, fused_op) -> None:
+    """Runs the layer's `call` as `fused_op(inputs, kernel, bias)`, its convolution, bias and
+    activation in one; `switch_convolution(layer, None)` gives the layer its own back."""
+    layer.__dict__["call"] = lambda inputs: fused_op(inputs, layer.kernel, layer.bias)

@@ -28,6 +28,10 @@ from tf_ucudnn.pipeline import conv_planner, plan_graph
 from tf_ucudnn.profiling.database import ProfileDatabaseError
 from tf_ucudnn.report import RewriteReport
 
+# Why a converted signature keeps each layer's convolution, bias and activation apart.
+UNFUSED_IN_SAVED_MODELS = ("a converted SavedModel may be served compiled by XLA, which has no "
+                           "kernel for the fused op")
+
 
 class ConversionError(TfUcudnnError, RuntimeError):
     """Why a SavedModel cannot be converted; nothing is written when it is raised."""
@@ -122,7 +126,8 @@ class Converter:
             fixed[name] = tf.TensorSpec([self.batch_size, *spec.shape[1:]], spec.dtype, name)
         traced = tf.function(lambda **inputs: signature(**inputs)).get_concrete_function(**fixed)
         planned, report = plan_graph(traced, self.options, planner, inline_functions=True,
-                                     device_model=self._device_model)
+                                     device_model=self._device_model,
+                                     unfused_because=UNFUSED_IN_SAVED_MODELS)
         names = sorted(kwargs)  # the order tf.nest flattens keyword inputs in
         planned_shape = tf.constant([self.batch_size], tf.int64)
 

@@ -118,7 +118,7 @@ def tensor_bytes(tensor) -> Optional[int]:
 
 
 _MATRIX_PRODUCTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3")
-_CONVOLUTIONS = ("Conv2D", "Conv3D", "UcudnnConv")
+_CONVOLUTIONS = ("Conv2D", "Conv3D", "UcudnnConv", "UcudnnFusedConv")
 
 
 def _flops(op: tf.Operation) -> float:

@@ -18,7 +18,8 @@ from tf_ucudnn.memory.passes.node_edits import copy_node, fit_plan, sized_consta
 POOLINGS = {"MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D"}
 
 
-_CONVOLUTIONS = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "UcudnnConv2D", "UcudnnConv3D"}
+_CONVOLUTIONS = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "UcudnnConv2D", "UcudnnConv3D",
+                 "UcudnnFusedConv2D", "UcudnnFusedConv3D"}
 
 
 # Ops whose first input holds the batch and whose other inputs must not.
