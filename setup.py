@@ -7,6 +7,13 @@ another copy of TensorFlow than the one you run.
 The cuDNN kernels are compiled when a CUDA toolkit (nvcc) and cuDNN headers and library are found:
 in $CUDA_HOME / $CUDNN_HOME, the system paths, or the nvidia-* wheels that `tensorflow[and-cuda]`
 installs. Set TF_UCUDNN_CPU_ONLY=1 to build the CPU kernels alone.
+
+cuDNN's graph-API engine configurations (cc/cudnn/engines.cc) also need NVIDIA's header-only
+cudnn-frontend (and nvrtc.h, which it includes): from $CUDNN_FRONTEND_INCLUDE, or the
+nvidia-cudnn-frontend wheel (`pip install 'tf_ucudnn[gpu]'`, which puts them in site-packages'
+include/). Without them the legacy algorithms build and run as before and engine configurations
+fail when run. The headers are not vendored: 3 MB, and the wheel can be carried to a machine
+without a package index.
 """
 
 import ast
@@ -87,6 +94,31 @@ def _find_cuda():
             "library_dirs": [cuda_lib, *library_dirs]}, None
 
 
+def _find_cudnn_frontend(cuda_include_dirs, cuda_library_dirs):
+    """(include dirs, link flags) for cudnn_frontend.h and the nvrtc it uses, or a reason they
+    are missing."""
+    roots = [os.environ.get("CUDNN_FRONTEND_INCLUDE"),
+             *(os.path.join(p, "include") for p in _site_packages_dirs())]
+    frontend = next((r for r in roots
+                     if r and os.path.exists(os.path.join(r, "cudnn_frontend.h"))), None)
+    if not frontend:
+        return None, ("no cudnn_frontend.h (set CUDNN_FRONTEND_INCLUDE or install "
+                      "nvidia-cudnn-frontend)")
+    nvrtc_homes = [os.path.join(p, "nvidia", "cuda_nvrtc") for p in _site_packages_dirs()]
+    include_dirs = [*cuda_include_dirs, *(os.path.join(h, "include") for h in nvrtc_homes)]
+    library_dirs = [*cuda_library_dirs, *(os.path.join(h, "lib") for h in nvrtc_homes)]
+    nvrtc = next((d for d in include_dirs if os.path.exists(os.path.join(d, "nvrtc.h"))), None)
+    nvrtc_lib = next((d for d in library_dirs if glob.glob(os.path.join(d, "libnvrtc.so*"))), None)
+    if not nvrtc or not nvrtc_lib:
+        return None, f"cudnn_frontend.h in {frontend} but no nvrtc (install nvidia-cuda-nvrtc)"
+    # The frontend compiles some kernels at run time with nvrtc.
+    versioned = sorted(glob.glob(os.path.join(nvrtc_lib, "libnvrtc.so.*")))
+    library = "-lnvrtc" if os.path.exists(os.path.join(nvrtc_lib, "libnvrtc.so")) \
+        else "-l:" + os.path.basename(versioned[0])
+    return {"include_dirs": [frontend, nvrtc],
+            "link_flags": [f"-L{nvrtc_lib}", f"-Wl,-rpath,{nvrtc_lib}", library]}, None
+
+
 def _cudnn_link_flag(library_dirs):
     # pip's cuDNN wheels ship only the versioned name; TensorFlow loads that same library.
     for d in library_dirs:
@@ -119,6 +151,15 @@ class BuildTensorFlowOps(build_ext):
         if cuda:
             base += ["-DGOOGLE_CUDA=1", *(f"-I{d}" for d in cuda["include_dirs"])]
             sources += GPU_SOURCES
+            frontend, frontend_missing = _find_cudnn_frontend(cuda["include_dirs"],
+                                                              cuda["library_dirs"])
+            if frontend:
+                base += ["-DTF_UCUDNN_CUDNN_FRONTEND=1",
+                         *(f"-I{d}" for d in frontend["include_dirs"])]
+                print("tf_ucudnn: cuDNN engine configurations through cudnn-frontend in "
+                      f"{frontend['include_dirs'][0]}")
+            else:
+                print(f"tf_ucudnn: cuDNN engine configurations left out: {frontend_missing}")
             archs = os.environ.get("TF_UCUDNN_CUDA_ARCHS", DEFAULT_CUDA_ARCHS).split(";")
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
             gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
@@ -146,7 +187,7 @@ class BuildTensorFlowOps(build_ext):
             link += [*(f"-L{d}" for d in cuda["library_dirs"]),
                      *(f"-Wl,-rpath,{d}" for d in cuda["library_dirs"][1:]),
                      "-lcudart_static", _cudnn_link_flag(cuda["library_dirs"][1:]),
-                     "-ldl", "-lrt", "-lpthread"]
+                     "-ldl", "-lrt", "-lpthread", *(frontend["link_flags"] if frontend else [])]
         result = self._run(link)
         if result.returncode:
             sys.exit(f"tf_ucudnn: linking failed:\n{' '.join(link)}\n{result.stderr}")

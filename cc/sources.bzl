@@ -26,6 +26,7 @@ GPU_SOURCES = [
     "cc/cudnn/convolution_algorithm.cc",
     "cc/cudnn/convolution_profile.cc",
     "cc/cudnn/cudnn_support.cc",
+    "cc/cudnn/engines.cc",
     "cc/cudnn/environment.cc",
     "cc/cudnn/layout.cc",
     "cc/cudnn/types.cc",

@@ -50,6 +50,14 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   call->micro_batches = micro_batches;
   call->scratch_bytes = 0;
   if (micro_batches.empty() || HasZeroSize(call->geometry)) return absl::OkStatus();
+  for (const MicroBatch& mb : micro_batches) {
+    // The custom call's backend config carries legacy algorithm numbers only.
+    if (mb.algorithm.is_engine()) {
+      return absl::UnimplementedError(absl::StrCat(
+          call->op_name, ": cuDNN engine configuration '", mb.algorithm.ToString(),
+          "' cannot run under XLA yet; plan this layer with legacy algorithms"));
+    }
+  }
   PlanningResources resources(call->op_name);
   std::vector<ResolvedCall> resolved;
   TF_RETURN_IF_ERROR(

@@ -2,9 +2,11 @@
 // when its op is built.
 #include "cc/conv/micro_batch_plan.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,6 +17,14 @@ namespace tf_ucudnn {
 namespace {
 
 const char* const kMathNames[] = {"default", "tensor_op", "tensor_op_allow_conversion", "fma"};
+
+// Knob names as plan.py takes them: an upper-case letter, then upper-case letters, digits, '_'.
+bool IsKnobName(absl::string_view name) {
+  if (name.empty() || !absl::ascii_isupper(name[0])) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return absl::ascii_isupper(c) || absl::ascii_isdigit(c) || c == '_';
+  });
+}
 
 const char* AlgorithmEnumName(ConvKernel kernel) {
   switch (kernel) {
@@ -48,8 +58,9 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
   const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
   if (trimmed == "auto") return absl::OkStatus();
   const auto syntax_error = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot parse algorithm '", text, "': ", why,
-                                                   " (expected 'auto' or 'algo=N[,math=NAME]')"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot parse algorithm '", text, "': ", why,
+        " (expected 'auto', 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]')"));
   };
   std::map<std::string, std::string> fields;
   for (absl::string_view item : absl::StrSplit(trimmed, ',')) {
@@ -60,9 +71,14 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
       return syntax_error(absl::StrCat("'", key, "' given twice"));
     }
   }
+  // An algo makes it a legacy algorithm, as in plan.py ("algo=1,engine=2" has an unknown key).
+  const bool engine_form = fields.count("engine") > 0 && fields.count("algo") == 0;
   for (const auto& [key, value] : fields) {
-    if (key != "algo" && key != "math") return syntax_error(absl::StrCat("unknown key '", key, "'"));
+    const bool known = engine_form ? key == "engine" || key == "knobs"
+                                   : key == "algo" || key == "math";
+    if (!known) return syntax_error(absl::StrCat("unknown key '", key, "'"));
   }
+  if (engine_form) return ParseEngine(fields, syntax_error, spec);
   auto algo = fields.find("algo");
   if (algo == fields.end()) return syntax_error("no 'algo'");
   int number;
@@ -88,7 +104,51 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
   return absl::OkStatus();
 }
 
+absl::Status AlgorithmSpec::ParseEngine(
+    const std::map<std::string, std::string>& fields,
+    const std::function<absl::Status(absl::string_view)>& syntax_error, AlgorithmSpec* spec) {
+  int64_t engine;
+  if (!absl::SimpleAtoi(fields.at("engine"), &engine)) {
+    return syntax_error("engine is not an integer");
+  }
+  if (engine < 0) return syntax_error("engine must be non-negative");
+  auto knobs = fields.find("knobs");
+  if (knobs != fields.end()) {
+    for (absl::string_view item : absl::StrSplit(knobs->second, '/')) {
+      std::pair<absl::string_view, absl::string_view> nv =
+          absl::StrSplit(item, absl::MaxSplits(':', 1));
+      const absl::string_view name = absl::StripAsciiWhitespace(nv.first);
+      int64_t value;
+      if (item.find(':') == absl::string_view::npos ||
+          !absl::SimpleAtoi(absl::StripAsciiWhitespace(nv.second), &value)) {
+        return syntax_error(absl::StrCat("knob '", item, "' is not NAME:INTEGER"));
+      }
+      if (!IsKnobName(name)) {
+        return syntax_error(absl::StrCat("knob name '", name, "' is not a KnobType_t name"));
+      }
+      spec->knobs.emplace_back(std::string(name), value);
+    }
+  }
+  std::sort(spec->knobs.begin(), spec->knobs.end());
+  for (size_t i = 1; i < spec->knobs.size(); ++i) {
+    if (spec->knobs[i].first == spec->knobs[i - 1].first) {
+      return syntax_error(absl::StrCat("knob '", spec->knobs[i].first, "' given twice"));
+    }
+  }
+  spec->automatic = false;
+  spec->engine = engine;
+  return absl::OkStatus();
+}
+
 std::string AlgorithmSpec::ToString() const {
+  if (is_engine()) {
+    std::string text = absl::StrCat("engine=", engine);
+    if (!knobs.empty()) {
+      absl::StrAppend(&text, ",knobs=",
+                      absl::StrJoin(knobs, "/", absl::PairFormatter(":")));
+    }
+    return text;
+  }
   if (automatic) return "auto";
   std::string text = absl::StrCat("algo=", algo);
   if (math != MathMode::kFromTensorFlow) {

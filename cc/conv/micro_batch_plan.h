@@ -4,10 +4,14 @@
 #define TF_UCUDNN_CC_CONV_MICRO_BATCH_PLAN_H_
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "cc/conv/conv_geometry.h"
 
 namespace tf_ucudnn {
@@ -21,13 +25,27 @@ enum class MathMode : int {
   kFma = 3,
 };
 
+// A knob of a graph-API engine configuration: its KnobType_t name (SPLIT_K_SLC, ...) and value.
+using EngineKnob = std::pair<std::string, int64_t>;
+
 struct AlgorithmSpec {
   bool automatic = true;  // chosen by cuDNN's heuristics at run time
   int algo = -1;          // a cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t value
   MathMode math = MathMode::kFromTensorFlow;
+  // A graph-API engine configuration instead of a legacy algorithm: the engine's global index
+  // (-1: none) and its knob choices, sorted by name. Names are checked by cuDNN when it runs.
+  int64_t engine = -1;
+  std::vector<EngineKnob> knobs;
+
+  bool is_engine() const { return engine >= 0; }
 
   static absl::Status Parse(const std::string& text, ConvKernel kernel, AlgorithmSpec* spec);
   std::string ToString() const;
+
+ private:
+  static absl::Status ParseEngine(
+      const std::map<std::string, std::string>& fields,
+      const std::function<absl::Status(absl::string_view)>& syntax_error, AlgorithmSpec* spec);
 };
 
 struct MicroBatch {

@@ -112,12 +112,24 @@ std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const 
   const size_t element = ElementSize(type_);
   return {workspace_bytes, g_.FilterSize() * element,
           layout_.needs_input_copy() ? largest * layout_.PaddedInputSampleSize() * element : 0,
-          layout_.transposed() ? largest * g_.OutputSampleSize() * element : 0};
+          layout_.transposed() ? largest * g_.OutputSampleSize() * element : 0,
+          AccumulatesEngineFilters() ? g_.FilterSize() * element : 0};
+}
+
+// Whether an engine computes a filter gradient after the first micro-batch's: engines have no
+// beta to add to their output, so theirs go to a buffer of their own and are added after.
+bool CudnnConvolution::AccumulatesEngineFilters() const {
+  if (kernel_ != ConvKernel::kBackpropFilter) return false;
+  for (size_t i = 1; i < micro_batches_.size(); ++i) {
+    if (micro_batches_[i].algorithm.is_engine()) return true;
+  }
+  return false;
 }
 
 absl::Status CudnnConvolution::AllocateBuffers(size_t workspace_bytes) {
   const std::vector<size_t> sizes = BufferSizes(workspace_bytes);
-  void** buffers[] = {&workspace_, &cudnn_filter_, &cudnn_input_, &cudnn_output_};
+  void** buffers[] = {&workspace_, &cudnn_filter_, &cudnn_input_, &cudnn_output_,
+                      &engine_filter_};
   for (size_t i = 0; i < sizes.size(); ++i) {
     *buffers[i] = nullptr;
     if (sizes[i] > 0) TF_RETURN_IF_ERROR(resources_->Allocate(sizes[i], buffers[i]));
@@ -166,6 +178,10 @@ absl::Status CudnnConvolution::Execute(size_t index, const ResolvedCall& call) {
   void* cudnn_output;
   TF_RETURN_IF_ERROR(CudnnOperands(input, output, mb.size, &cudnn_input, &cudnn_output));
   void* workspace = call.workspace > 0 ? workspace_ : nullptr;
+  if (mb.algorithm.is_engine()) {
+    TF_RETURN_IF_ERROR(ExecuteEngineCall(index, cudnn_input, cudnn_output, workspace));
+    return CopyResultBack(index, cudnn_input, input, cudnn_output, output);
+  }
   const void* one = ScaleFactor(type_, 1);
   // Filter gradients of all micro-batches add up in place.
   const void* beta =
@@ -204,6 +220,13 @@ absl::Status CudnnConvolution::Execute(size_t index, const ResolvedCall& call) {
                                           MathName(call.math), " math failed for ",
                                           g_.DebugString()));
   }
+  return CopyResultBack(index, cudnn_input, input, cudnn_output, output);
+}
+
+// The micro-batch's result, from cuDNN's copy where cuDNN works on one, to the op's tensor.
+absl::Status CudnnConvolution::CopyResultBack(size_t index, void* cudnn_input, void* input,
+                                              void* cudnn_output, void* output) {
+  const MicroBatch& mb = micro_batches_[index];
   if (layout_.needs_input_copy() && kernel_ == ConvKernel::kBackpropInput) {
     TF_RETURN_IF_ERROR(Copy(layout_.InputCopy(mb.size, /*to_cudnn=*/false), cudnn_input, input));
   }
@@ -211,6 +234,34 @@ absl::Status CudnnConvolution::Execute(size_t index, const ResolvedCall& call) {
     TF_RETURN_IF_ERROR(
         Copy(layout_.OutputCopy(mb.size, /*to_cudnn=*/false), cudnn_output, output));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::ExecuteEngineCall(size_t index, void* cudnn_input,
+                                                 void* cudnn_output, void* workspace) {
+  const MicroBatch& mb = micro_batches_[index];
+  // Filter gradients of all micro-batches add up: the first in place, the others beside it.
+  const bool beside = kernel_ == ConvKernel::kBackpropFilter && index > 0;
+  void* filter = beside ? engine_filter_ : cudnn_filter_;
+  absl::Status status = ExecuteEngine(handle_.get(), Problem(mb.size), mb.algorithm, cudnn_input,
+                                      filter, cudnn_output, workspace);
+  if (LogCalls()) {
+    LOG(INFO) << resources_->label() << " " << KernelName(kernel_) << " cuDNN call " << index + 1
+              << "/" << micro_batches_.size() << ": " << mb.size << " samples at " << mb.offset
+              << ", " << mb.algorithm.ToString() << ": " << status;
+  }
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat(Where(index), ": ", status.message(),
+                                                    " for ", g_.DebugString()));
+  }
+  if (!beside) return absl::OkStatus();
+  TensorDescriptor filter_as_tensor;
+  TF_RETURN_IF_ERROR(
+      filter_as_tensor.Init(type_, layout_.channels_last(), layout_.FilterDims()));
+  TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
+      cudnnAddTensor(handle_.get(), ScaleFactor(type_, 1), filter_as_tensor.get(), engine_filter_,
+                     ScaleFactor(type_, 1), filter_as_tensor.get(), cudnn_filter_),
+      absl::StrCat(Where(index), ": adding its filter gradient"));
   return absl::OkStatus();
 }
 

@@ -19,12 +19,14 @@
 #include "cc/conv/micro_batch_plan.h"
 #include "cc/cudnn/conv_resources.h"
 #include "cc/cudnn/cudnn_support.h"
+#include "cc/cudnn/engines.h"
 #include "cc/cudnn/layout.h"
 #include "cc/cudnn/strided_copy.h"
 
 namespace tf_ucudnn {
 
-// One cuDNN call's choice: the algorithm, its math and its workspace.
+// One cuDNN call's choice: the algorithm, its math and its workspace (for a graph-API engine
+// configuration, algo stays -1: the micro-batch's AlgorithmSpec names the engine).
 struct ResolvedCall {
   int algo = -1;
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;
@@ -82,6 +84,12 @@ class CudnnConvolution {
   absl::Status CudnnOperands(void* input, void* output, int64_t size, void** cudnn_input,
                              void** cudnn_output);
   absl::Status Execute(size_t index, const ResolvedCall& call);
+  absl::Status CopyResultBack(size_t index, void* cudnn_input, void* input, void* cudnn_output,
+                              void* output);
+  absl::Status ExecuteEngineCall(size_t index, void* cudnn_input, void* cudnn_output,
+                                 void* workspace);
+  EngineProblem Problem(int64_t size) const;
+  bool AccumulatesEngineFilters() const;
   std::string Where(size_t index) const;
   std::string AlgorithmText(int algo) const;
 
@@ -115,6 +123,9 @@ class CudnnConvolution {
   void* cudnn_filter_ = nullptr;
   void* cudnn_input_ = nullptr;   // padded or transposed
   void* cudnn_output_ = nullptr;  // transposed
+  // A micro-batch's filter gradient from an engine, which overwrites its output, before it is
+  // added to the others'.
+  void* engine_filter_ = nullptr;
 };
 
 // Runs a plan's micro-batches, each one cuDNN call; the op kernels and the XLA custom call alike.

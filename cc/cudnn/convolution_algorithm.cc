@@ -68,6 +68,16 @@ absl::Status CudnnConvolution::Resolve(size_t index, ResolvedCall* call) {
   TF_RETURN_IF_ERROR(Descriptors(mb.size, &d));
   const bool deterministic = tensorflow::OpDeterminismRequired();
   const cudnnMathType_t tensorflow_math = TensorFlowMath(type_);
+  if (mb.algorithm.is_engine()) {
+    int64_t bytes = 0;
+    absl::Status status = PrepareEngine(handle_.get(), Problem(mb.size), mb.algorithm, &bytes);
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(Where(index), ": ", status.message(),
+                                                      " for ", g_.DebugString()));
+    }
+    *call = {-1, tensorflow_math, static_cast<size_t>(bytes)};
+    return absl::OkStatus();
+  }
   if (mb.algorithm.automatic) {
     std::vector<Candidate> candidates;
     TF_RETURN_IF_ERROR(conv_desc_.SetMath(tensorflow_math));
@@ -108,6 +118,23 @@ absl::Status CudnnConvolution::Resolve(size_t index, ResolvedCall* call) {
   }
   *call = {algo, math, bytes};
   return absl::OkStatus();
+}
+
+EngineProblem CudnnConvolution::Problem(int64_t size) const {
+  EngineProblem problem;
+  problem.kernel = kernel_;
+  problem.type = type_;
+  problem.compute = ComputeType(type_);
+  problem.channels_last = layout_.channels_last();
+  problem.input_dims = layout_.InputDims(size);
+  problem.filter_dims = layout_.FilterDims();
+  problem.output_dims = layout_.OutputDims(size);
+  problem.padding = layout_.symmetric_padding();
+  problem.strides.assign(g_.strides.begin(), g_.strides.end());
+  problem.dilations.assign(g_.dilations.begin(), g_.dilations.end());
+  problem.device = device_;
+  problem.deterministic_only = tensorflow::OpDeterminismRequired();
+  return problem;
 }
 
 // cuDNN's heuristics, best first (the *_v7 queries need no buffers and run no kernels).

@@ -119,6 +119,114 @@ def test_algorithm_is_frozen_and_hashable():
     assert len({Algorithm(1, "fma"), Algorithm.parse("algo=1,math=fma"), Algorithm(1)}) == 2
 
 
+# ---------------------------------------------------------------- engine configurations
+
+@pytest.mark.parametrize("text, engine, knobs", [
+    ("engine=0", 0, ()),
+    ("engine=12", 12, ()),
+    ("engine=+3", 3, ()),
+    ("engine=12,knobs=SPLIT_K_SLC:2", 12, (("SPLIT_K_SLC", 2),)),
+    ("engine=12,knobs=TILE_SIZE:5/SPLIT_K_SLC:2", 12, (("SPLIT_K_SLC", 2), ("TILE_SIZE", 5))),
+    ("knobs=STAGES:-1,engine=4", 4, (("STAGES", -1),)),
+    (" engine = 7 , knobs = TILEK : 1 / EDGE:0 ", 7, (("EDGE", 0), ("TILEK", 1))),
+], ids=repr)
+def test_engine_config_parse(text, engine, knobs):
+    parsed = Algorithm.parse(text)
+    assert parsed == Algorithm(engine=engine, knobs=knobs)
+    assert (parsed.engine, parsed.knobs, parsed.algo, parsed.math) == (engine, knobs, None, None)
+    assert parsed.is_engine
+
+
+@pytest.mark.parametrize("algorithm, text", [
+    (Algorithm(engine=12), "engine=12"),
+    (Algorithm(engine=12, knobs={"TILE_SIZE": 5, "SPLIT_K_SLC": 2}),
+     "engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5"),
+    (Algorithm(engine=0, knobs=[("SWIZZLE", 1)]), "engine=0,knobs=SWIZZLE:1"),
+], ids=str)
+def test_engine_config_format_is_canonical(algorithm, text):
+    assert algorithm.to_attr() == text
+    assert str(algorithm) == text
+    assert Algorithm.parse(text) == algorithm
+    assert not Algorithm(1).is_engine and not Algorithm().is_engine
+
+
+def test_engine_configs_equal_whatever_the_knob_order():
+    one = Algorithm(engine=3, knobs=[("B", 1), ("A", 2)])
+    other = Algorithm.parse("engine=3,knobs=A:2/B:1")
+    assert one == other and hash(one) == hash(other)
+    assert one != Algorithm(engine=3) != Algorithm(3)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("algo=1,engine=3", "expected 'algo=N[,math=NAME]'"),          # an algo: engine unknown
+    ("engine=1,math=fma", "or 'engine=N[,knobs=NAME:V/NAME:V...]'"),  # engines take no math
+    ("knobs=A:1", "expected 'algo=N[,math=NAME]'"),                  # no engine
+    ("engine=1,engine=2", "expected 'algo=N[,math=NAME]'"),          # given twice
+    ("engine=x", "engine is not an integer"),
+    ("engine=1_0", "engine is not an integer"),
+    ("engine=", "engine is not an integer"),
+    ("engine=1,knobs=", "knob '' is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC", "is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:x", "is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:2/", "knob '' is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:2;TILEK:1", "is not NAME:INTEGER"),
+    ("engine=1,knobs=split_k:2", "KnobType_t name"),
+    ("engine=1,knobs=A:1/A:2", "given twice"),
+    ("engine=-1", "non-negative"),
+], ids=repr)
+def test_engine_config_parse_rejects(text, reason):
+    with pytest.raises(ValueError) as info:
+        Algorithm.parse(text)
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"engine": -1}, "non-negative int"),
+    ({"engine": 1.0}, "non-negative int"),
+    ({"engine": True}, "non-negative int"),
+    ({"engine": 1, "algo": 1}, "not both"),
+    ({"engine": 1, "algo": 1, "math": "fma"}, "not both"),
+    ({"knobs": {"SPLIT_K_SLC": 1}}, "knobs need an engine"),
+    ({"engine": 1, "knobs": {"SPLIT_K_SLC": 1.5}}, "int value"),
+    ({"engine": 1, "knobs": {"SPLIT_K_SLC": True}}, "int value"),
+    ({"engine": 1, "knobs": {"": 1}}, "KnobType_t name"),
+    ({"engine": 1, "knobs": [("A", 1), ("A", 1)]}, "given twice"),
+], ids=lambda v: "-".join(f"{k}={v!r}" for k, v in v.items()) if isinstance(v, dict) else None)
+def test_engine_config_rejects(kwargs, reason):
+    with pytest.raises(ValueError) as info:
+        Algorithm(**kwargs)
+    assert reason in str(info.value)
+
+
+def test_order_key_orders_auto_legacy_then_engines():
+    algorithms = [Algorithm(engine=2, knobs={"B": 1}), Algorithm(engine=2), Algorithm(3, "fma"),
+                  Algorithm(engine=1), Algorithm(3), Algorithm(), Algorithm(engine=2,
+                                                                           knobs={"A": 9})]
+    ordered = sorted(algorithms, key=lambda a: a.order_key)
+    assert [str(a) for a in ordered] == [
+        "auto", "algo=3", "algo=3,math=fma", "engine=1", "engine=2", "engine=2,knobs=A:9",
+        "engine=2,knobs=B:1"]
+
+
+def test_kernel_plan_carries_engine_configs_in_attrs_json_and_text():
+    engine = Algorithm(engine=12, knobs={"TILE_SIZE": 5, "SPLIT_K_SLC": 2})
+    plan = KernelPlan((MicroBatch(32, engine, 1 << 20), MicroBatch(32, Algorithm(1))))
+    assert plan.attrs()["algorithms"] == ["engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5", "algo=1"]
+    assert KernelPlan.from_attrs(**plan.attrs()) == plan
+    assert KernelPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert str(plan) == "32@engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5 + 32@algo=1"
+
+
+def test_plans_written_before_engine_configs_load_unchanged():
+    saved = ('{"fwd": [{"size": 2, "algorithm": "algo=1,math=tensor_op"}, '
+             '{"size": 3, "algorithm": "auto"}], "bwd_data": [], '
+             '"bwd_filter": [{"size": 5, "algorithm": "algo=0", "workspace_bytes": 64}]}')
+    plan = LayerPlan.from_json(json.loads(saved))
+    assert plan.forward == KernelPlan((MicroBatch(2, Algorithm(1, "tensor_op")), MicroBatch(3)))
+    assert plan.backprop_filter.micro_batches[0].algorithm == Algorithm(0)
+    assert json.loads(plan.dumps()) == json.loads(saved)
+
+
 # ------------------------------------------------- the op library reads algorithms like plan.py
 
 # Strings the op library must accept or reject exactly as Algorithm.parse does (for algorithm
@@ -126,7 +234,14 @@ def test_algorithm_is_frozen_and_hashable():
 _SHARED_SYNTAX = ["auto", " auto", "algo=0", "algo=2,math=fma", "math=tensor_op,algo=1",
                   " algo = 1 , math = default ", "algo=+1", "", "algo", "algo1", "foo=1",
                   "algo=1,", "algo=x", "algo=1_0", "algo=1.5", "algo=1,math=bogus", "math=fma",
-                  "algo=1,algo=1", "AUTO"]
+                  "algo=1,algo=1", "AUTO",
+                  # graph-API engine configurations
+                  "engine=0", "engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5", "knobs=A:1,engine=4",
+                  " engine = 7 , knobs = TILEK : 1 / EDGE:0 ", "engine=+3", "algo=1,engine=3",
+                  "engine=1,math=fma", "engine=x", "engine=1_0", "engine=", "knobs=A:1",
+                  "engine=1,knobs=", "engine=1,knobs=A", "engine=1,knobs=A:x",
+                  "engine=1,knobs=A:1/", "engine=1,knobs=a:1", "engine=1,knobs=A:1/A:2",
+                  "engine=-1", "engine=1,engine=1"]
 
 
 @pytest.mark.parametrize("text", _SHARED_SYNTAX, ids=repr)

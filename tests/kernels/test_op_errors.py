@@ -116,6 +116,25 @@ def test_gradient_plan_not_summing_to_batch_fails_when_the_gradient_runs(device)
         assert grads(tf.constant(_X[:4])).shape == (3, 3, 3, 4)
 
 
+def test_op_library_writes_engine_configs_as_plan_py_does():
+    """The op's text of a plan (in its errors) has the knobs sorted, as Algorithm.to_attr."""
+    given = "engine=12,knobs=TILE_SIZE:5/SPLIT_K_SLC:2"
+    canonical = Algorithm.parse(given).to_attr()
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _raw_conv(micro_batches=[1, 3], algorithms=[given, "engine=3"])
+    assert f"[1@{canonical}, 3@engine=3]" in info.value.message
+    assert "sum to 4 but the batch has 5" in info.value.message
+
+
+def test_cpu_kernel_runs_a_plan_of_engine_configs():
+    """The CPU kernels take any algorithm; an engine configuration only chooses a cuDNN engine."""
+    plan = ["engine=12,knobs=SPLIT_K_SLC:2", "engine=0"]
+    with tf.device("/CPU:0"):
+        planned = _raw_conv(micro_batches=[2, 3], algorithms=plan)
+        undivided = _raw_conv(micro_batches=[], algorithms=[])
+    np.testing.assert_allclose(planned.numpy(), undivided.numpy(), rtol=1e-5, atol=1e-5)
+
+
 # Bad plan attributes: (micro_batches, algorithms, the reason the message must give).
 _BAD_PLANS = {
     "negative-algorithm": ([5], ["algo=-1"], "algorithm -1 is not a cudnnConvolutionFwdAlgo_t"),
@@ -127,6 +146,11 @@ _BAD_PLANS = {
     "non-integer": ([5], ["algo=one"], "algo is not an integer"),
     "no-algo": ([5], ["math=fma"], "no 'algo'"),
     "twice": ([5], ["algo=1,algo=1"], "'algo' given twice"),
+    "engine-with-math": ([5], ["engine=1,math=fma"], "unknown key 'math'"),
+    "engine-not-integer": ([5], ["engine=x"], "engine is not an integer"),
+    "negative-engine": ([5], ["engine=-2"], "engine must be non-negative"),
+    "bad-knob": ([5], ["engine=1,knobs=SPLIT_K_SLC"], "knob 'SPLIT_K_SLC' is not NAME:INTEGER"),
+    "knob-twice": ([5], ["engine=1,knobs=TILEK:1/TILEK:2"], "knob 'TILEK' given twice"),
     "more-sizes": ([2, 3], ["auto"], "plan has 2 micro-batch sizes but 1 algorithms"),
     "more-algorithms": ([5], ["auto", "auto"], "plan has 1 micro-batch sizes but 2 algorithms"),
     "zero-size": ([5, 0], ["auto", "auto"], "micro-batch 1 has size 0; sizes must be positive"),

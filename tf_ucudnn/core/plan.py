@@ -3,13 +3,22 @@
 Plans are plain data. They travel to the C++ ops as two list attributes per kernel,
 `micro_batches` (ints) and `algorithms` (strings), and to disk as JSON.
 
-An algorithm is written as comma-separated `key=value` pairs so that the format can grow past the
-legacy algorithm enums (for instance to cuDNN graph-API engine configurations) without changing
-the attribute types:
+An algorithm is written as comma-separated `key=value` pairs, so that one string attribute holds
+either a legacy algorithm enum or a cuDNN graph-API engine configuration:
 
     "algo=1"                  cudnnConvolution*Algo_t value 1, math mode from TensorFlow's settings
     "algo=1,math=tensor_op"   ... with an explicit cudnnMathType_t
     "auto"                    chosen by cuDNN's heuristics at run time
+    "engine=12"               graph-API engine 12 (a global engine index of the convolution's
+                              operation graph) with its default knob choices
+    "engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5"
+                              ... with those knobs set: `NAME:VALUE` pairs joined by '/', NAME a
+                              cudnnBackendKnobType_t without its CUDNN_KNOB_TYPE_ prefix (as
+                              cudnn-frontend's KnobType_t spells it), VALUE an integer
+
+An engine configuration takes no math mode: the engine decides it. Its knobs are kept sorted by
+name, so that one configuration has one text (the op library writes the same). Which engines and
+knob names a convolution accepts only cuDNN can say: the op checks that when it runs.
 """
 
 from __future__ import annotations
@@ -42,22 +51,68 @@ MATH_TYPES = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 # Number of legacy algorithms per kernel (cuDNN 9's *_ALGO_COUNT).
 ALGORITHM_COUNTS = {FORWARD: 8, BACKPROP_INPUT: 6, BACKPROP_FILTER: 7}
 
+_SYNTAX = "expected 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]'"
+_KNOB_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+# ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """One cuDNN algorithm choice; `algo=None` means cuDNN's heuristics choose at run time."""
+    """One cuDNN algorithm choice: a legacy algorithm (`algo`, `math`), a graph-API engine
+    configuration (`engine`, `knobs`), or neither: cuDNN's heuristics choose at run time.
+
+    `knobs` may be given as a mapping or (name, value) pairs; it is kept as pairs sorted by name.
+    """
 
     algo: Optional[int] = None
     math: Optional[str] = None
+    engine: Optional[int] = None
+    knobs: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
-        if self.algo is not None and (not isinstance(self.algo, int) or isinstance(self.algo, bool)
-                                      or self.algo < 0):
+        if self.algo is not None and (not _is_int(self.algo) or self.algo < 0):
             raise ValueError(f"algorithm must be a non-negative int or None, got {self.algo!r}")
         if self.math is not None and self.math not in MATH_TYPES:
             raise ValueError(f"math must be one of {MATH_TYPES} or None, got {self.math!r}")
         if self.algo is None and self.math is not None:
             raise ValueError("a math mode needs an explicit algorithm")
+        if self.engine is not None and (not _is_int(self.engine) or self.engine < 0):
+            raise ValueError(f"engine must be a non-negative int or None, got {self.engine!r}")
+        if self.engine is not None and self.algo is not None:
+            raise ValueError("an algorithm is either a legacy algorithm or an engine, not both")
+        pairs = self.knobs.items() if isinstance(self.knobs, Mapping) else self.knobs
+        knobs = tuple(sorted((name, value) for name, value in pairs))
+        if knobs and self.engine is None:
+            raise ValueError("knobs need an engine")
+        for name, value in knobs:
+            if not isinstance(name, str) or not _KNOB_NAME.fullmatch(name):
+                raise ValueError(f"a knob name is a KnobType_t name such as SPLIT_K_SLC, got "
+                                 f"{name!r}")
+            if not _is_int(value):
+                raise ValueError(f"knob {name} must have an int value, got {value!r}")
+        names = [name for name, _ in knobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a knob is given twice in {names}")
+        object.__setattr__(self, "knobs", knobs)
+
+    @property
+    def is_engine(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def order_key(self) -> tuple:
+        """A total order over algorithms (heuristics' choice, legacy ones, then engines), so that
+        ties between equally fast candidates never depend on where they came from."""
+        if self.engine is not None:
+            return (2, self.engine, "", self.knobs)
+        if self.algo is not None:
+            return (1, self.algo, self.math or "", ())
+        return (0, 0, "", ())
 
     @classmethod
     def parse(cls, text: str) -> "Algorithm":
@@ -68,18 +123,31 @@ class Algorithm:
         for item in text.split(","):
             key, sep, value = item.partition("=")
             if not sep or key.strip() in fields:
-                raise ValueError(f"cannot parse algorithm {text!r}: expected 'algo=N[,math=NAME]'")
+                raise ValueError(f"cannot parse algorithm {text!r}: {_SYNTAX}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"algo", "math"}
-        if unknown or "algo" not in fields:
-            raise ValueError(f"cannot parse algorithm {text!r}: expected 'algo=N[,math=NAME]'")
-        # ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
-        if not re.fullmatch(r"[+-]?[0-9]+", fields["algo"]):
-            raise ValueError(f"cannot parse algorithm {text!r}: algo is not an integer")
-        algo = int(fields["algo"])
-        return cls(algo=algo, math=fields.get("math"))
+        # An algo makes it a legacy algorithm (so "algo=1,engine=2" has an unknown key).
+        kind, allowed = ("algo", {"algo", "math"}) if "algo" in fields or "engine" not in fields \
+            else ("engine", {"engine", "knobs"})
+        if set(fields) - allowed or kind not in fields:
+            raise ValueError(f"cannot parse algorithm {text!r}: {_SYNTAX}")
+        if not _INTEGER.fullmatch(fields[kind]):
+            raise ValueError(f"cannot parse algorithm {text!r}: {kind} is not an integer")
+        if kind == "algo":
+            return cls(algo=int(fields["algo"]), math=fields.get("math"))
+        knobs = []
+        if "knobs" in fields:
+            for item in fields["knobs"].split("/"):
+                name, sep, value = item.partition(":")
+                if not sep or not _INTEGER.fullmatch(value.strip()):
+                    raise ValueError(f"cannot parse algorithm {text!r}: knob {item!r} is not "
+                                     "NAME:INTEGER")
+                knobs.append((name.strip(), int(value)))
+        return cls(engine=int(fields["engine"]), knobs=tuple(knobs))
 
     def to_attr(self) -> str:
+        if self.engine is not None:
+            knobs = "/".join(f"{name}:{value}" for name, value in self.knobs)
+            return f"engine={self.engine}" + (f",knobs={knobs}" if knobs else "")
         if self.algo is None:
             return "auto"
         return f"algo={self.algo}" + (f",math={self.math}" if self.math else "")

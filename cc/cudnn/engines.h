@@ -1,0 +1,64 @@
+// cuDNN's graph-API engines for one convolution kernel, through NVIDIA's header-only
+// cudnn-frontend: the engine configurations cuDNN offers (engine, knobs, workspace), and running
+// one of them. Compiled with TF_UCUDNN_CUDNN_FRONTEND=1 where setup.py finds the frontend's
+// headers; without them every function here returns kUnimplemented saying so, and plans with
+// engine configurations fail when they run on a GPU (the legacy algorithms work as before).
+#ifndef TF_UCUDNN_CC_CUDNN_ENGINES_H_
+#define TF_UCUDNN_CC_CUDNN_ENGINES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cudnn.h>
+
+#include "absl/status/status.h"
+#include "cc/conv/conv_geometry.h"
+#include "cc/conv/micro_batch_plan.h"
+
+namespace tf_ucudnn {
+
+// One kernel at one micro-batch size as cuDNN's graph sees it: packed tensors in cuDNN's logical
+// dim order ([N, C, spatial...], filters [K, C / groups, spatial...]), symmetric padding.
+struct EngineProblem {
+  ConvKernel kernel = ConvKernel::kForward;
+  cudnnDataType_t type = CUDNN_DATA_FLOAT;
+  cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  bool channels_last = false;
+  std::vector<int64_t> input_dims, filter_dims, output_dims;
+  std::vector<int64_t> padding, strides, dilations;
+  int device = 0;
+  bool deterministic_only = false;  // TensorFlow's op determinism: leave out the others
+
+  // Everything the graph depends on: plans are cached under it.
+  std::string Key() const;
+};
+
+// One engine configuration cuDNN offers for a problem.
+struct EngineConfigInfo {
+  AlgorithmSpec spec;  // engine and knobs
+  int64_t workspace_bytes = 0;
+};
+
+// Whether this build can use engines (the frontend's headers were found).
+bool EnginesAvailable();
+
+// The engine configurations of heuristics modes A and FALLBACK, deduplicated, that need at most
+// `workspace_limit` bytes (cudnn-frontend's deselect_workspace_greater_than) and cuDNN supports.
+absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
+                               int64_t workspace_limit, std::vector<EngineConfigInfo>* configs);
+
+// Builds (once per problem and configuration, for the process) the execution plan of `spec` and
+// gives its workspace. A configuration cuDNN does not support for the problem is an error.
+absl::Status PrepareEngine(cudnnHandle_t handle, const EngineProblem& problem,
+                           const AlgorithmSpec& spec, int64_t* workspace_bytes);
+
+// Runs the prepared plan on the handle's stream: y = conv(x, w) for the forward kernel, dx for
+// backprop input, dw for backprop filter (each overwritten). `workspace` holds the plan's bytes.
+absl::Status ExecuteEngine(cudnnHandle_t handle, const EngineProblem& problem,
+                           const AlgorithmSpec& spec, void* input, void* filter, void* output,
+                           void* workspace);
+
+}  // namespace tf_ucudnn
+
+#endif  // TF_UCUDNN_CC_CUDNN_ENGINES_H_
