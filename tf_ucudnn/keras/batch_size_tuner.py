@@ -69,7 +69,8 @@ class TuningReport:
                 + (f", up to {trial.micro_batched_until} in {trial.micro_batches} micro-batches"
                    if trial.micro_batched_until else "")
                 + (f", {trial.micro_batches} micro-batches of {trial.accumulated_micro_batch}, "
-                   "gradients summed" if trial.accumulated_micro_batch else "")
+                   "gradients summed" if trial.accumulated_micro_batch
+                   and trial.micro_batches > 1 else "")
                 + ")" if trial.images_per_second
                 else f"does not fit: {trial.reason}"))
         lines.append(f"best: batch {self.best.batch_size}" if self.best else
