@@ -142,13 +142,14 @@ def interpolated_all_sizes(table) -> dict:
         below = max(s for s in measured if s < size)
         above = min(s for s in measured if s > size)
         weight = (size - below) / (above - below)
-        at_above = {(t.algo, t.math): t for t in table[above]}
+        at_above = {t.algorithm: t for t in table[above]}
         result[size] = tuple(
-            AlgorithmTiming(t.algo, t.math,
-                            t.time_ms + weight * (at_above[t.algo, t.math].time_ms - t.time_ms),
-                            round(t.workspace_bytes + weight * (
-                                at_above[t.algo, t.math].workspace_bytes - t.workspace_bytes)))
-            for t in table[below] if (t.algo, t.math) in at_above)
+            AlgorithmTiming.from_algorithm(
+                t.algorithm,
+                t.time_ms + weight * (at_above[t.algorithm].time_ms - t.time_ms),
+                round(t.workspace_bytes + weight * (
+                    at_above[t.algorithm].workspace_bytes - t.workspace_bytes)))
+            for t in table[below] if t.algorithm in at_above)
     return result
 
 

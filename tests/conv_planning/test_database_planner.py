@@ -10,7 +10,7 @@ from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.plan import KERNELS, LayerPlan
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
-from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling import ProfileDatabase, ProfileRecord
 from tf_ucudnn.profiling.profiler import Machine
 
 H100 = Machine("NVIDIA H100 80GB HBM3", 91400)
@@ -167,3 +167,18 @@ def test_each_kernels_front_runs_from_least_workspace_to_the_plan_chosen(databas
     assert len(fronts["fwd"]) > 1  # there is workspace to give up
     assert DatabasePlanner(database, 64 * MIB, machine=Machine("Some GPU", 90000)
                            ).workspace_front(conv2) == {}
+
+
+def test_a_measured_engine_configuration_is_planned_like_a_legacy_algorithm(database,
+                                                                           alexnet_layers):
+    conv2 = alexnet_layers[1]
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100)
+    assert not any(mb.algorithm.is_engine for mb in planner(conv2).forward.micro_batches)
+    fast_engine = ProfileRecord(H100.device, H100.cudnn_version, conv2.cudnn_geometry(), "fwd",
+                                256, None, None, 0.001, MIB, engine=12,
+                                knobs={"SPLIT_K_SLC": 2})
+    database.insert([fast_engine, dataclasses.replace(fast_engine, engine=13, time_ms=0.0005,
+                                                      workspace_bytes=65 * MIB)])
+    plan = DatabasePlanner(database, 64 * MIB, machine=H100)(conv2)
+    assert str(plan.forward) == "256@engine=12,knobs=SPLIT_K_SLC:2"  # engine 13 needs too much
+    assert LayerPlan.from_json(plan.to_json()) == plan

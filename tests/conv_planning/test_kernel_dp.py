@@ -204,3 +204,53 @@ def test_call_overhead_favours_fewer_micro_batches():
     assert costly.plan.sizes == (8,) and costly.time_ms == 10.5
     with pytest.raises(ValueError, match="non-negative"):
         fastest_configuration("fwd", table, 8, call_overhead_ms=-1.0)
+
+
+def engine(engine_id, time_ms, workspace_bytes, **knobs):
+    return AlgorithmTiming.from_algorithm(Algorithm(engine=engine_id, knobs=knobs), time_ms,
+                                          workspace_bytes)
+
+
+def test_an_engine_configuration_faster_within_the_limit_is_chosen():
+    table = {8: [AlgorithmTiming(1, "default", 2.0, 0), engine(12, 1.5, 10 * MIB, SPLIT_K_SLC=2),
+                 engine(30, 0.5, 100 * MIB)],
+             4: [AlgorithmTiming(1, "default", 1.0, 0), engine(7, 0.6, 20 * MIB)]}
+    chosen = fastest_configuration("fwd", table, 8, 10 * MIB)
+    assert str(chosen.plan) == "8@engine=12,knobs=SPLIT_K_SLC:2"
+    assert (chosen.time_ms, chosen.workspace_bytes) == (1.5, 10 * MIB)
+    # engine 30 needs more than the limit; engine 7 at size 4 fits a larger one.
+    assert str(fastest_configuration("fwd", table, 8, 20 * MIB).plan) == "4@engine=7 + 4@engine=7"
+    assert str(fastest_configuration("fwd", table, 8, 100 * MIB).plan) == "8@engine=30"
+    assert str(fastest_configuration("fwd", table, 8, 0).plan) == "8@algo=1,math=default"
+    front = pareto_configurations("fwd", table, 8)
+    assert [str(c.plan) for c in front] == ["8@algo=1,math=default",
+                                            "8@engine=12,knobs=SPLIT_K_SLC:2",
+                                            "4@engine=7 + 4@engine=7", "8@engine=30"]
+    # The plan's JSON carries the engine configuration, and reads back the same.
+    assert KernelPlan.from_json(chosen.plan.to_json()) == chosen.plan
+    assert chosen.plan.to_json()[0]["algorithm"] == "engine=12,knobs=SPLIT_K_SLC:2"
+
+
+def test_ties_between_engines_and_legacy_algorithms_follow_the_algorithm_order():
+    tied = [engine(10, 1.0, 0), engine(2, 1.0, 0, TILE_SIZE=1), engine(2, 1.0, 0),
+            AlgorithmTiming(5, "tensor_op", 1.0, 0), AlgorithmTiming(5, "default", 1.0, 0)]
+    expected = "8@algo=5,math=default"
+    for order in (tied, tied[::-1], tied[2:] + tied[:2]):
+        assert str(fastest_configuration("fwd", {8: order}, 8, 0).plan) == expected
+    engines_only = [t for t in tied if t.algo is None]
+    for order in (engines_only, engines_only[::-1]):
+        assert str(fastest_configuration("fwd", {8: order}, 8).plan) == "8@engine=2"
+    # Micro-batches of one size with equally fast choices come out in one order too.
+    mixed = {4: [engine(3, 1.0, 0)], 2: [AlgorithmTiming(0, "default", 0.5, 0), engine(1, 0.5, 0)]}
+    assert str(fastest_configuration("fwd", mixed, 6, 0).plan) == \
+        "4@engine=3 + 2@algo=0,math=default"
+
+
+def test_deterministic_requests_leave_engine_configurations_out():
+    """Profiles do not record whether an engine configuration is deterministic."""
+    table = {8: [AlgorithmTiming(1, "default", 2.0, 0), engine(12, 1.0, 0)]}
+    assert str(fastest_configuration("bwd_filter", table, 8).plan) == "8@engine=12"
+    assert str(fastest_configuration("bwd_filter", table, 8, deterministic_only=True).plan) == \
+        "8@algo=1,math=default"
+    with pytest.raises(NoFeasiblePlanError, match="deterministic algorithms only"):
+        fastest_configuration("fwd", {8: [engine(12, 1.0, 0)]}, 8, deterministic_only=True)

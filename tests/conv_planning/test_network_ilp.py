@@ -12,7 +12,8 @@ from tf_ucudnn.conv_planning import (
     optimize_network,
     pareto_configurations,
 )
-from tf_ucudnn.core.plan import KERNELS, KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan
+from tf_ucudnn.profiling import AlgorithmTiming
 
 MIB = 1 << 20
 
@@ -171,3 +172,24 @@ def test_bad_input():
         optimize_network([option, option], 10)
     with pytest.raises(ValueError, match="no configurations"):
         KernelOptions("a", "fwd", ())
+
+
+def test_engine_configurations_are_candidates_across_layers():
+    """Two kernels' fronts from tables with engine configurations, under a shared budget."""
+    def engine(engine_id, time_ms, workspace_bytes):
+        return AlgorithmTiming.from_algorithm(Algorithm(engine=engine_id, knobs={"TILE_SIZE": 2}),
+                                              time_ms, workspace_bytes)
+
+    tables = {"conv1": {8: [AlgorithmTiming(1, "default", 4.0, 0), engine(3, 1.0, 60 * MIB)]},
+              "conv2": {8: [AlgorithmTiming(0, "default", 3.0, 0), engine(5, 2.0, 50 * MIB)]}}
+    options = [KernelOptions(layer, "fwd", pareto_configurations("fwd", table, 8))
+               for layer, table in tables.items()]
+    # Both engines fit 110 MiB; at 60 MiB, conv1's saves more time (3.0 ms against 1.0 ms).
+    for budget_mib, expected in [(110, ("8@engine=3,knobs=TILE_SIZE:2",
+                                        "8@engine=5,knobs=TILE_SIZE:2")),
+                                 (60, ("8@engine=3,knobs=TILE_SIZE:2", "8@algo=0,math=default")),
+                                 (0, ("8@algo=1,math=default", "8@algo=0,math=default"))]:
+        plan = optimize_network(options, budget_mib * MIB)
+        plans = plan.layer_plans()
+        assert (str(plans["conv1"].forward), str(plans["conv2"].forward)) == expected
+        assert {layer: LayerPlan.from_json(p.to_json()) for layer, p in plans.items()} == plans

@@ -5,6 +5,7 @@ import sqlite3
 import pytest
 
 from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import Algorithm
 from tf_ucudnn.profiling import (
     ProfileDatabase,
     ProfileDatabaseError,
@@ -13,7 +14,7 @@ from tf_ucudnn.profiling import (
     read_jsonl,
     write_jsonl,
 )
-from tf_ucudnn.profiling.database import APPLICATION_ID
+from tf_ucudnn.profiling.database import APPLICATION_ID, SCHEMA_VERSION
 
 H100 = "NVIDIA H100 80GB HBM3"
 GEOMETRY = ConvGeometry(in_channels=64, out_channels=64, input_dims=(56, 56), filter_dims=(3, 3),
@@ -217,3 +218,72 @@ def test_records_and_export_of_one_machine(tmp_path):
         assert db.export_jsonl(tmp_path / "h100.jsonl.gz", device=H100) == 2
     assert sorted(read_jsonl(tmp_path / "h100.jsonl.gz"), key=repr) == \
         sorted([record(), record(cudnn_version=90100)], key=repr)
+
+
+def engine_record(engine=12, knobs=(("SPLIT_K_SLC", 2),), batch_size=32, time_ms=0.5,
+                  workspace_bytes=2048):
+    return ProfileRecord(H100, 91400, GEOMETRY, "fwd", batch_size, None, None, time_ms,
+                         workspace_bytes, engine=engine, knobs=knobs)
+
+
+def test_engine_configurations_are_stored_beside_legacy_algorithms(tmp_path):
+    measured = [record(algo=1, time_ms=1.0), engine_record(), engine_record(knobs=()),
+                engine_record(engine=9, time_ms=2.0), record(algo=0, time_ms=0.25)]
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert(measured)
+        db.insert([engine_record(time_ms=0.75)])  # measured again: replaces only its own row
+        assert len(db) == 5
+        assert [str(t.algorithm) for t in db.timings(H100, 91400, GEOMETRY, "fwd")[32]] == [
+            "algo=0,math=default", "engine=12", "engine=12,knobs=SPLIT_K_SLC:2",
+            "algo=1,math=default", "engine=9,knobs=SPLIT_K_SLC:2"]
+        # Key order, algorithms in Algorithm.order_key's order (engine 9 before engine 12).
+        assert list(db.records()) == [record(algo=0, time_ms=0.25), record(algo=1, time_ms=1.0),
+                                      engine_record(engine=9, time_ms=2.0),
+                                      engine_record(knobs=()), engine_record(time_ms=0.75)]
+        db.export_jsonl(tmp_path / "all.jsonl")
+        assert read_jsonl(tmp_path / "all.jsonl") == list(db.records())
+
+
+# Schema version 1, as tf_ucudnn wrote it before engine configurations (algo and math columns).
+_VERSION_1_SCHEMA = """
+CREATE TABLE measurements (
+    device TEXT NOT NULL, cudnn_version INTEGER NOT NULL, dtype TEXT NOT NULL,
+    layout TEXT NOT NULL, geometry TEXT NOT NULL, kernel TEXT NOT NULL,
+    batch_size INTEGER NOT NULL, algo INTEGER NOT NULL, math TEXT NOT NULL,
+    time_ms REAL NOT NULL, workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device, cudnn_version, dtype, layout, geometry, kernel, batch_size, algo, math)
+) WITHOUT ROWID
+"""
+
+
+def test_version_1_database_is_migrated_in_place(tmp_path):
+    path = tmp_path / "old.db"
+    old = [record(algo=1, math="tensor_op", time_ms=0.5), record(algo=2, time_ms=0.25),
+           record(batch_size=8, algo=0, kernel="bwd_filter", workspace_bytes=0)]
+    connection = sqlite3.connect(path)
+    connection.execute(_VERSION_1_SCHEMA)
+    connection.executemany(
+        "INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout,
+          r.geometry.shape_key(), r.kernel, r.batch_size, r.algo, r.math, r.time_ms,
+          r.workspace_bytes) for r in old])
+    connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    connection.execute("PRAGMA user_version = 1")
+    connection.commit()
+    connection.close()
+
+    with ProfileDatabase(path) as db:
+        assert sorted(db.records(), key=repr) == sorted(old, key=repr)
+        assert [t.algorithm for t in db.timings(H100, 91400, GEOMETRY, "fwd")[32]] == [
+            Algorithm(2, "default"), Algorithm(1, "tensor_op")]
+        db.insert([engine_record(time_ms=0.125)])
+        assert str(db.timings(H100, 91400, GEOMETRY, "fwd")[32][0].algorithm) == \
+            "engine=12,knobs=SPLIT_K_SLC:2"
+    connection = sqlite3.connect(path)
+    assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert connection.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert [row[0] for row in connection.execute("SELECT name FROM sqlite_master")] == \
+        ["measurements"]
+    connection.close()
+    with ProfileDatabase(path) as db:  # opens again as it is, now
+        assert len(db) == 4

@@ -268,3 +268,70 @@ def test_packaged_profiles_are_the_measured_h100_files():
         assert max(r.batch_size for r in records) == (128 if layout == "NHWC" else 256)
         if (benchmarks / path.name).exists():  # the source checkout's copy
             assert path.read_bytes() == (benchmarks / path.name).read_bytes()
+
+
+def engine_record(engine=12, knobs=(("TILE_SIZE", 5), ("SPLIT_K_SLC", 2)), **change):
+    fields = dict(device=H100, cudnn_version=91400, geometry=ALEXNET_CONV2, kernel="fwd",
+                  batch_size=32, algo=None, math=None, time_ms=0.15, workspace_bytes=4096,
+                  engine=engine, knobs=knobs)
+    return ProfileRecord(**{**fields, **change})
+
+
+def test_engine_configuration_records_round_trip_as_json_lines(tmp_path):
+    record = engine_record()
+    assert record.knobs == (("SPLIT_K_SLC", 2), ("TILE_SIZE", 5))  # sorted, as Algorithm keeps them
+    assert record.algorithm == Algorithm.parse("engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5")
+    assert record.timing.algorithm == record.algorithm
+    line = record.to_json()
+    assert line["engine"] == 12 and line["knobs"] == {"SPLIT_K_SLC": 2, "TILE_SIZE": 5}
+    assert "algo" not in line and "math" not in line
+    no_knobs = engine_record(engine=3, knobs=())
+    assert "knobs" not in no_knobs.to_json()
+    legacy = ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.2, 0)
+    assert "engine" not in legacy.to_json() and "knobs" not in legacy.to_json()
+    write_jsonl(tmp_path / "mixed.jsonl", [legacy, record, no_knobs])
+    assert read_jsonl(tmp_path / "mixed.jsonl") == [legacy, record, no_knobs]
+
+
+def test_lines_written_before_engines_load_as_before(profiles_dir):
+    """A line of the measured files, and one of this module's layout as written before engines."""
+    shared = json.loads((profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl").open().readline())
+    own = {"device": H100, "cudnn": 91400, "dtype": "float32", "format": "NCHW",
+           "in_channels": 96, "out_channels": 256, "input_dims": [27, 27], "filter_dims": [5, 5],
+           "pads": [2, 2], "strides": [1, 1], "dilations": [1, 1], "kernel": "fwd", "batch": 32,
+           "algo": 1, "math": "default", "time_ms": 0.2, "workspace_bytes": 0}
+    for line, (algo, math) in [(shared, (1, "tensor_op_allow_conversion")), (own, (1, "default"))]:
+        record = ProfileRecord.from_json(line)
+        assert (record.algo, record.math, record.engine, record.knobs) == (algo, math, None, ())
+        assert record.algorithm == Algorithm(algo, math)
+    assert ProfileRecord.from_json(own).to_json() == own
+
+
+def test_engine_records_reject_bad_values(tmp_path):
+    for change, message in [({"algo": 1, "math": "default"}, "not both"),
+                            ({"math": "default"}, "not both"), ({"engine": -1}, "engine"),
+                            ({"knobs": (("split_k", 2),)}, "knob name"),
+                            ({"knobs": (("SPLIT_K_SLC", "2"),)}, "int value")]:
+        with pytest.raises(ValueError, match=message):
+            engine_record(**change)
+    line = engine_record().to_json()
+    bad_lines = [{**line, "algo": 1}, {**line, "knobs": [["SPLIT_K_SLC", 2]]},
+                 {**line, "knobs": {"SPLIT_K_SLC": 2.5}}]
+    _write_lines(tmp_path / "bad.jsonl", [json.dumps(bad) for bad in bad_lines])
+    with pytest.raises(ProfileFileError, match=r"bad\.jsonl:1: bad profile record: .*not both"):
+        read_jsonl(tmp_path / "bad.jsonl")
+    for bad in bad_lines[1:]:
+        _write_lines(tmp_path / "bad.jsonl", [json.dumps(bad)])
+        with pytest.raises(ProfileFileError, match=r"bad\.jsonl:1: bad profile record: .*knob"):
+            read_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_timings_of_engines_and_legacy_algorithms_sort_by_time_then_algorithm_order():
+    tied = [engine_record(engine=2, knobs=(), time_ms=0.2, workspace_bytes=0),
+            ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 7, "default", 0.2, 0),
+            engine_record(engine=10, knobs=(), time_ms=0.2, workspace_bytes=0),
+            engine_record(time_ms=0.1)]
+    (table,) = group_by_kernel(tied).values()
+    assert [str(t.algorithm) for t in table[32]] == [
+        "engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5", "algo=7,math=default", "engine=2",
+        "engine=10"]

@@ -31,7 +31,7 @@ from tf_ucudnn.conv_planning.kernel_dp import (
 from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
-from tf_ucudnn.core.plan import KERNELS, LayerPlan
+from tf_ucudnn.core.plan import KERNELS, Algorithm, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
 from tf_ucudnn.options import default_database
@@ -276,11 +276,19 @@ def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float
     """The measured time of a kernel plan's micro-batches, None if one was not measured."""
     total = 0.0
     for micro_batch in kernel_plan.micro_batches:
-        algorithm = micro_batch.algorithm
         matching = [t.time_ms for t in timings.get(micro_batch.size, ())
-                    if t.algo == algorithm.algo and algorithm.algo is not None
-                    and (algorithm.math is None or t.math == algorithm.math)]
+                    if _runs_as_planned(t.algorithm, micro_batch.algorithm)]
         if not matching:
             return None
         total += min(matching) + call_overhead_ms
     return total
+
+
+def _runs_as_planned(measured: Algorithm, planned: Algorithm) -> bool:
+    """Whether a measurement is of what a plan runs: the same engine configuration, or the same
+    legacy algorithm in the planned math mode (any, where the plan leaves it to TensorFlow)."""
+    if planned.is_engine:
+        return measured == planned
+    if planned.algo is None:  # cuDNN's heuristics choose at run time: nothing measured is it
+        return False
+    return measured.algo == planned.algo and planned.math in (None, measured.math)

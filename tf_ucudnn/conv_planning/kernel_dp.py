@@ -47,6 +47,12 @@ def is_deterministic(kernel: str, algo: int) -> bool:
     return algo not in NONDETERMINISTIC_ALGORITHMS[kernel]
 
 
+def _usable_when_deterministic(kernel: str, timing: AlgorithmTiming) -> bool:
+    # Profiles do not record whether an engine configuration is deterministic (cuDNN's numerical
+    # notes say, but are not measured into records), so none is trusted to be.
+    return not timing.algorithm.is_engine and is_deterministic(kernel, timing.algo)
+
+
 class NoFeasiblePlanError(TfUcudnnError, ValueError):
     """No sequence of measured micro-batches sums to the batch size within the workspace limit."""
 
@@ -137,11 +143,11 @@ class _CandidateTable:
             if size > batch_size or (allowed is not None and size not in allowed):
                 continue
             usable = [t for t in timings[size]
-                      if not deterministic_only or is_deterministic(kernel, t.algo)]
+                      if not deterministic_only or _usable_when_deterministic(kernel, t)]
             if usable:
                 self.sizes.append(size)
                 self.algorithms.append(sorted(usable, key=lambda t: (t.workspace_bytes, t.time_ms,
-                                                                     t.algo, t.math)))
+                                                                     t.algorithm.order_key)))
         workspaces = [t.workspace_bytes for algos in self.algorithms for t in algos]
         self.distinct_workspaces = np.unique(np.array(workspaces, dtype=np.int64))
         self.largest_workspace = int(self.distinct_workspaces[-1]) if workspaces else 0
@@ -200,7 +206,7 @@ class _CandidateTable:
 def _configuration(micro_batches: Sequence[tuple[int, AlgorithmTiming]],
                    call_overhead_ms: float) -> KernelConfiguration:
     # Largest micro-batches first: a canonical order (the order does not change time or workspace).
-    ordered = sorted(micro_batches, key=lambda mb: (-mb[0], mb[1].algo, mb[1].math))
+    ordered = sorted(micro_batches, key=lambda mb: (-mb[0], mb[1].algorithm.order_key))
     return KernelConfiguration(
         plan=KernelPlan(tuple(MicroBatch(size, t.algorithm, t.workspace_bytes)
                               for size, t in ordered)),

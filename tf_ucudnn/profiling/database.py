@@ -1,14 +1,16 @@
 """A SQLite database of cuDNN measurements, so each layer is measured once per machine.
 
 Measurements are keyed by device name, cuDNN version, dtype, layout, geometry, kernel, micro-batch
-size, algorithm and math type; measuring again replaces the old row. Several processes (for instance
-one per GPU, profiling different layers) may write to one file at once: the database runs in WAL
-mode, waits for locks instead of failing at once, and writes each batch of records in one
-transaction.
+size and algorithm (a legacy algorithm with its math type, or an engine configuration, as its
+plan text: `tf_ucudnn.core.plan.Algorithm`); measuring again replaces the old row. Several
+processes (for instance one per GPU, profiling different layers) may write to one file at once:
+the database runs in WAL mode, waits for locks instead of failing at once, and writes each batch
+of records in one transaction.
 
 A file that is not SQLite, is damaged, or is SQLite but not ours (no tf_ucudnn application id, or
 another schema version) raises `ProfileDatabaseError` naming the file and the reason; a foreign file
-is never written to.
+is never written to. A file of schema version 1 (legacy algorithms only, in `algo` and `math`
+columns) is migrated in place to the current version when opened.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
+from tf_ucudnn.core.plan import Algorithm
 from tf_ucudnn.profiling.records import (
     AlgorithmTiming,
     PathLike,
@@ -32,14 +35,19 @@ from tf_ucudnn.profiling.records import (
 
 # Stored in the SQLite header (PRAGMA application_id / user_version) to recognize our files.
 APPLICATION_ID = 0x7563444E  # "ucDN"
-SCHEMA_VERSION = 1
+# Version 2 keeps the algorithm as its plan text, so that engine configurations fit beside legacy
+# algorithms; version 1 had `algo` and `math` columns instead.
+SCHEMA_VERSION = 2
+_LEGACY_ALGO_MATH_VERSION = 1
 
 _KEY_COLUMNS = ("device", "cudnn_version", "dtype", "layout", "geometry", "kernel", "batch_size",
-                "algo", "math")
+                "algorithm")
 _COLUMNS = _KEY_COLUMNS + ("time_ms", "workspace_bytes")
 
-_SCHEMA = f"""
-CREATE TABLE measurements (
+
+def _schema(table: str) -> str:
+    return f"""
+CREATE TABLE {table} (
     device TEXT NOT NULL,
     cudnn_version INTEGER NOT NULL,
     dtype TEXT NOT NULL,
@@ -47,12 +55,20 @@ CREATE TABLE measurements (
     geometry TEXT NOT NULL,
     kernel TEXT NOT NULL,
     batch_size INTEGER NOT NULL,
-    algo INTEGER NOT NULL,
-    math TEXT NOT NULL,
+    algorithm TEXT NOT NULL,
     time_ms REAL NOT NULL,
     workspace_bytes INTEGER NOT NULL,
     PRIMARY KEY ({", ".join(_KEY_COLUMNS)})
 ) WITHOUT ROWID
+"""
+
+
+# Version 1 rows as version 2 rows: the algorithm text as Algorithm.to_attr writes it.
+_MIGRATE_FROM_LEGACY_ALGO_MATH = f"""
+INSERT INTO measurements_migrated ({", ".join(_COLUMNS)})
+SELECT device, cudnn_version, dtype, layout, geometry, kernel, batch_size,
+       'algo=' || algo || ',math=' || math, time_ms, workspace_bytes
+FROM measurements
 """
 
 
@@ -111,15 +127,16 @@ class ProfileDatabase:
         """One kernel's timing table: micro-batch size -> algorithms measured, fastest first."""
         with self._errors("cannot read measurements"):
             rows = self._connection.execute(
-                "SELECT batch_size, algo, math, time_ms, workspace_bytes FROM measurements "
+                "SELECT batch_size, algorithm, time_ms, workspace_bytes FROM measurements "
                 "WHERE device = ? AND cudnn_version = ? AND dtype = ? AND layout = ? "
                 "AND geometry = ? AND kernel = ? ORDER BY batch_size",
                 (device, cudnn_version, geometry.dtype, geometry.layout, geometry.shape_key(),
                  kernel)).fetchall()
         by_size: dict[int, list[AlgorithmTiming]] = {}
-        for batch_size, algo, math, time_ms, workspace_bytes in rows:
+        for batch_size, algorithm, time_ms, workspace_bytes in rows:
             by_size.setdefault(batch_size, []).append(
-                AlgorithmTiming(algo, math, time_ms, workspace_bytes))
+                AlgorithmTiming.from_algorithm(Algorithm.parse(algorithm), time_ms,
+                                               workspace_bytes))
         return {size: fastest_first(timings) for size, timings in by_size.items()}
 
     def records(self, device: Optional[str] = None,
@@ -128,13 +145,16 @@ class ProfileDatabase:
         where, values = _machine_filter(device, cudnn_version)
         with self._errors("cannot read measurements"):
             rows = self._connection.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM measurements {where} "
-                f"ORDER BY {', '.join(_KEY_COLUMNS)}", values).fetchall()
-        for (device, cudnn_version, dtype, layout, geometry, kernel, batch_size, algo, math,
-             time_ms, workspace_bytes) in rows:
+                f"SELECT {', '.join(_COLUMNS)} FROM measurements {where}", values).fetchall()
+        measured = [(row[:-3], Algorithm.parse(row[-3]), row[-2:]) for row in rows]
+        # Algorithms in their own order, not their texts' ("engine=10" before "engine=9").
+        measured.sort(key=lambda item: (item[0], item[1].order_key))
+        for (device, cudnn_version, dtype, layout, geometry, kernel, batch_size), algorithm, (
+                time_ms, workspace_bytes) in measured:
             yield ProfileRecord(device, cudnn_version,
                                 ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
-                                batch_size, algo, math, time_ms, workspace_bytes)
+                                batch_size, algorithm.algo, algorithm.math, time_ms,
+                                workspace_bytes, engine=algorithm.engine, knobs=algorithm.knobs)
 
     def machines(self) -> list[tuple[str, int]]:
         """The (device, cuDNN version) pairs measured, sorted."""
@@ -156,13 +176,20 @@ class ProfileDatabase:
 
     def _open_or_create(self) -> None:
         # Look before writing anything, so that a foreign database is left untouched.
-        if not self._check_marker():
+        if self._schema_version() != SCHEMA_VERSION:
             with self._transaction():
-                # Another process may have created the schema since we looked.
-                if not self._check_marker():
-                    self._connection.execute(_SCHEMA)
+                # Another process may have created or migrated the schema since we looked.
+                version = self._schema_version()
+                if version == 0:
+                    self._connection.execute(_schema("measurements"))
                     self._connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                    self._connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                elif version == _LEGACY_ALGO_MATH_VERSION:
+                    self._connection.execute(_schema("measurements_migrated"))
+                    self._connection.execute(_MIGRATE_FROM_LEGACY_ALGO_MATH)
+                    self._connection.execute("DROP TABLE measurements")
+                    self._connection.execute(
+                        "ALTER TABLE measurements_migrated RENAME TO measurements")
+                self._connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         self._use_wal()
 
     def _use_wal(self) -> None:
@@ -181,24 +208,25 @@ class ProfileDatabase:
                     raise
                 time.sleep(0.01)
 
-    def _check_marker(self) -> bool:
-        """True for our database, False for an empty one; raises for anything else."""
+    def _schema_version(self) -> int:
+        """Our database's schema version (one this code reads or migrates), 0 for an empty one;
+        raises for anything else."""
         # One statement, so one snapshot: another process may be creating the schema right now.
         application_id, version, schema_objects = self._connection.execute(
             "SELECT (SELECT application_id FROM pragma_application_id), "
             "(SELECT user_version FROM pragma_user_version), "
             "(SELECT COUNT(*) FROM sqlite_master)").fetchone()
         if application_id == 0 and version == 0 and schema_objects == 0:
-            return False
+            return 0
         if application_id != APPLICATION_ID:
             raise ProfileDatabaseError(
                 self.path, f"a SQLite database of something else (application id "
                            f"{application_id:#x}, not tf_ucudnn's {APPLICATION_ID:#x})")
-        if version != SCHEMA_VERSION:
+        if version not in (_LEGACY_ALGO_MATH_VERSION, SCHEMA_VERSION):
             raise ProfileDatabaseError(
-                self.path, f"schema version {version}, but this tf_ucudnn reads version "
-                           f"{SCHEMA_VERSION}")
-        return True
+                self.path, f"schema version {version}, but this tf_ucudnn reads versions "
+                           f"{_LEGACY_ALGO_MATH_VERSION} to {SCHEMA_VERSION}")
+        return version
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -238,4 +266,4 @@ def _machine_filter(device: Optional[str], cudnn_version: Optional[int]) -> tupl
 def _row(record: ProfileRecord) -> tuple:
     g = record.geometry
     return (record.device, record.cudnn_version, g.dtype, g.layout, g.shape_key(), record.kernel,
-            record.batch_size, record.algo, record.math, record.time_ms, record.workspace_bytes)
+            record.batch_size, record.algorithm.to_attr(), record.time_ms, record.workspace_bytes)

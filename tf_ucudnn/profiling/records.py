@@ -9,6 +9,11 @@ Records are plain data and travel as JSON lines. Two line layouts are read:
   `kernel_h`, `kernel_w`, square `pad` and `stride`, dilation 1, `math` as its cudnnMathType_t
   value.
 
+A line measures either a legacy algorithm (`algo` and `math`) or a cuDNN graph-API engine
+configuration (`engine`, and `knobs` as an object of knob name to value where any are set; see
+`tf_ucudnn.core.plan.Algorithm`). Lines without `engine`, as all written before engines were,
+are legacy algorithms.
+
 A file that cannot be read or written raises `ProfileFileError`, naming the file (and the line)
 and the reason. `packaged_profiles()` lists the measured profiles shipped with the package.
 """
@@ -63,16 +68,32 @@ class KernelKey:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmTiming:
-    """One algorithm's measurement at one micro-batch size: what the optimizer chooses from."""
+    """One algorithm's measurement at one micro-batch size: what the optimizer chooses from.
 
-    algo: int
-    math: str
+    The algorithm is a legacy one (`algo`, `math`) or an engine configuration (`engine`, `knobs`;
+    `algo` and `math` None), with `Algorithm`'s fields; `from_algorithm` builds one from either.
+    """
+
+    algo: Optional[int]
+    math: Optional[str]
     time_ms: float
     workspace_bytes: int
+    engine: Optional[int] = None
+    knobs: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        # Algorithm checks the fields fit together and keeps knobs in their canonical order.
+        object.__setattr__(self, "knobs", self.algorithm.knobs)
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Algorithm, time_ms: float,
+                       workspace_bytes: int) -> "AlgorithmTiming":
+        return cls(algorithm.algo, algorithm.math, time_ms, workspace_bytes, algorithm.engine,
+                   algorithm.knobs)
 
     @property
     def algorithm(self) -> Algorithm:
-        return Algorithm(self.algo, self.math)
+        return Algorithm(self.algo, self.math, self.engine, self.knobs)
 
 
 # Micro-batch size -> the algorithms measured at that size.
@@ -86,23 +107,33 @@ class ProfileRecord:
     geometry: ConvGeometry
     kernel: str
     batch_size: int
-    algo: int
-    math: str
+    # A legacy algorithm; both None for an engine configuration.
+    algo: Optional[int]
+    math: Optional[str]
     time_ms: float
     workspace_bytes: int
     # A label for people (e.g. "alexnet.conv2"); not part of any key, the geometry is.
     layer: Optional[str] = None
+    # A graph-API engine configuration instead of a legacy algorithm (as in `Algorithm`).
+    engine: Optional[int] = None
+    knobs: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not _is_int(self.batch_size) or self.batch_size <= 0:
             raise ValueError(f"batch size must be a positive int, got {self.batch_size!r}")
-        if not _is_int(self.algo) or not 0 <= self.algo < ALGORITHM_COUNTS[self.kernel]:
+        if self.engine is not None:
+            if self.algo is not None or self.math is not None:
+                raise ValueError("a record measures a legacy algorithm (algo, math) or an engine "
+                                 "configuration, not both")
+        elif not _is_int(self.algo) or not 0 <= self.algo < ALGORITHM_COUNTS[self.kernel]:
             raise ValueError(f"{self.kernel} algorithm must be an int in "
                              f"[0, {ALGORITHM_COUNTS[self.kernel]}), got {self.algo!r}")
-        if self.math not in MATH_TYPES:
+        elif self.math not in MATH_TYPES:
             raise ValueError(f"math must be one of {MATH_TYPES}, got {self.math!r}")
+        # Algorithm checks the engine and knobs and keeps the knobs in their canonical order.
+        object.__setattr__(self, "knobs", self.algorithm.knobs)
         if not _math.isfinite(self.time_ms) or self.time_ms < 0:
             raise ValueError(f"time_ms must be finite and non-negative, got {self.time_ms!r}")
         if not _is_int(self.workspace_bytes) or self.workspace_bytes < 0:
@@ -114,8 +145,12 @@ class ProfileRecord:
         return KernelKey(self.device, self.cudnn_version, self.geometry, self.kernel)
 
     @property
+    def algorithm(self) -> Algorithm:
+        return Algorithm(self.algo, self.math, self.engine, self.knobs)
+
+    @property
     def timing(self) -> AlgorithmTiming:
-        return AlgorithmTiming(self.algo, self.math, self.time_ms, self.workspace_bytes)
+        return AlgorithmTiming.from_algorithm(self.algorithm, self.time_ms, self.workspace_bytes)
 
     def to_json(self) -> dict:
         g = self.geometry
@@ -128,9 +163,15 @@ class ProfileRecord:
             "input_dims": list(g.input_dims), "filter_dims": list(g.filter_dims),
             "pads": list(g.pads), "strides": list(g.strides), "dilations": list(g.dilations),
             **({"groups": g.groups} if g.groups != 1 else {}),
-            "kernel": self.kernel, "batch": self.batch_size, "algo": self.algo, "math": self.math,
-            "time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes,
+            "kernel": self.kernel, "batch": self.batch_size,
         })
+        if self.engine is None:
+            data.update({"algo": self.algo, "math": self.math})
+        else:
+            data["engine"] = self.engine
+            if self.knobs:
+                data["knobs"] = dict(self.knobs)
+        data.update({"time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes})
         return data
 
     @classmethod
@@ -154,15 +195,24 @@ class ProfileRecord:
                 filter_dims=(data["kernel_h"], data["kernel_w"]),
                 pads=(data["pad"],) * 2, strides=(data["stride"],) * 2, dilations=(1, 1),
                 dtype=data["dtype"], layout=data["format"])
-        math = data["math"]
-        if _is_int(math):
-            if not 0 <= math < len(MATH_TYPES):
-                raise ValueError(f"math {math} is not a cudnnMathType_t value")
-            math = MATH_TYPES[math]
+        if "engine" in data:
+            knobs = data.get("knobs", {})
+            if not isinstance(knobs, dict):
+                raise ValueError(f"knobs must be an object of knob name to value, got {knobs!r}")
+            # An engine line with algo or math too is refused by the constructor.
+            algorithm = dict(algo=data.get("algo"), math=data.get("math"), engine=data["engine"],
+                             knobs=tuple(knobs.items()))
+        else:
+            math = data["math"]
+            if _is_int(math):
+                if not 0 <= math < len(MATH_TYPES):
+                    raise ValueError(f"math {math} is not a cudnnMathType_t value")
+                math = MATH_TYPES[math]
+            algorithm = dict(algo=data["algo"], math=math)
         return cls(device=device, cudnn_version=int(cudnn_version), geometry=geometry,
-                   kernel=data["kernel"], batch_size=data["batch"], algo=data["algo"], math=math,
+                   kernel=data["kernel"], batch_size=data["batch"],
                    time_ms=float(data["time_ms"]), workspace_bytes=data["workspace_bytes"],
-                   layer=data.get("layer"))
+                   layer=data.get("layer"), **algorithm)
 
 
 def read_jsonl(path: PathLike, device: Optional[str] = None,
@@ -250,7 +300,8 @@ def group_by_kernel(
 
 def fastest_first(timings: Iterable[AlgorithmTiming]) -> tuple[AlgorithmTiming, ...]:
     """Sorted by time; ties broken so that the order never depends on where rows came from."""
-    return tuple(sorted(timings, key=lambda t: (t.time_ms, t.workspace_bytes, t.algo, t.math)))
+    return tuple(sorted(timings,
+                        key=lambda t: (t.time_ms, t.workspace_bytes, t.algorithm.order_key)))
 
 
 def micro_batch_sizes(batch_size: int, policy: str) -> tuple[int, ...]:
