@@ -108,15 +108,8 @@ def _mobilenet_style():
 
 def test_depthwise_and_grouped_layers_train_planned_to_the_same_weights():
     plain, plain_history = _fit(_mobilenet_style, [])
-    seen = {}
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                seen.update(types=_op_types(self.model))
-
     callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
-    planned, planned_history = _fit(_mobilenet_style, [callback, Probe()])
+    planned, planned_history, seen = _fit_seeing_op_types(_mobilenet_style, [callback])
 
     assert callback.report.left_alone == []
     layers = [item.layer for item in callback.report.layers]
@@ -124,7 +117,7 @@ def test_depthwise_and_grouped_layers_train_planned_to_the_same_weights():
         ("Conv2D", 1), ("DepthwiseConv2dNative", 8), ("Conv2D", 1),
         ("DepthwiseConv2dNative", 16), ("Conv2D", 4)]
     assert layers[3].filter_shape == (3, 3, 1, 32)
-    assert "UcudnnConv2D" in seen["types"] and "DepthwiseConv2dNative" not in seen["types"]
+    assert "UcudnnConv2D" in seen and "DepthwiseConv2dNative" not in seen
     np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -165,6 +158,19 @@ def _op_types(model):
     return {op.type for op in graph.get_operations()}
 
 
+def _fit_seeing_op_types(build, callbacks, epochs=3):
+    """`_fit` with `callbacks`, and the op types the model runs at its second training step."""
+    seen = set()
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen.update(_op_types(self.model))
+
+    model, history = _fit(build, [*callbacks, Probe()], epochs=epochs)
+    return model, history, seen
+
+
 def test_after_training_the_model_is_plain_again():
     callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
     model, _ = _fit(_vgg_style, [callback], epochs=1)
@@ -175,17 +181,10 @@ def test_after_training_the_model_is_plain_again():
 
 
 def test_while_training_the_layers_run_tf_ucudnn_ops():
-    seen = {}
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                seen.update(types=_op_types(self.model))
-
-    _fit(_vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0), Probe()],
-         epochs=1)
+    _, _, seen = _fit_seeing_op_types(
+        _vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0)], epochs=1)
     # Each Conv2D has a bias and a ReLU: its convolution, bias and activation run fused.
-    assert "UcudnnFusedConv2D" in seen["types"] and "Conv2D" not in seen["types"]
+    assert "UcudnnFusedConv2D" in seen and "Conv2D" not in seen
 
 
 def _fusion_style():
@@ -211,15 +210,8 @@ def _fusion_style():
 
 def test_layers_with_a_bias_and_a_relu_or_none_train_fused_to_the_same_weights():
     plain, plain_history = _fit(_fusion_style, [])
-    seen = {}
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                seen.update(types=_op_types(self.model))
-
     callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
-    planned, planned_history = _fit(_fusion_style, [callback, Probe()])
+    planned, planned_history, seen = _fit_seeing_op_types(_fusion_style, [callback])
 
     paths = [layer.path for layer in planned.layers]
     assert [(item.layer, item.activation) for item in callback.report.fused] == [
@@ -227,7 +219,7 @@ def test_layers_with_a_bias_and_a_relu_or_none_train_fused_to_the_same_weights()
     reasons = {item.layer: item.reason for item in callback.report.not_fused}
     assert "use_bias=False" in reasons[paths[2]] and "relu6" in reasons[paths[3]]
     assert f"fused {paths[0]} with its bias and relu" in callback.summary()
-    assert {"UcudnnFusedConv2D", "UcudnnFusedConv3D", "UcudnnConv2D"} <= seen["types"]
+    assert {"UcudnnFusedConv2D", "UcudnnFusedConv3D", "UcudnnConv2D"} <= seen
     np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
