@@ -83,9 +83,10 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
                     measured_ms: Optional[Callable[[int], dict]] = None) -> TuningReport:
     """Plans each batch size's step (`step_for(batch)`, a ConcreteFunction) under the budget and
     picks the most images per second; `measured_ms(batch)` may give measured op times."""
-    return _tune(lambda batch: (plan_step_memory(step_for(batch), budget_bytes, model,
-                                                 measured_ms(batch) if measured_ms else None),
-                                {}), batch_sizes, budget_bytes)
+    return _tune(_memory_planned(lambda batch: (
+        plan_step_memory(step_for(batch), budget_bytes, model,
+                         measured_ms(batch) if measured_ms else None), {})),
+        batch_sizes, budget_bytes)
 
 
 def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
@@ -104,8 +105,8 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
     refused = (accumulation_refusal(keras_model, batch_norm_statistics)
                if accumulate_gradients else "accumulate_gradients=False")
     if refused is None:
-        return _tune_accumulated(keras_model, batch_sizes, budget_bytes, model, step_ms,
-                                 batch_norm_statistics)
+        return _tune(_accumulated(keras_model, budget_bytes, model, step_ms,
+                                  batch_norm_statistics), batch_sizes, budget_bytes)
 
     def plan(batch):
         _, chosen = plan_keras_step(keras_model, batch, budget_bytes, model,
@@ -113,59 +114,59 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
                                     micro_batches)
         return chosen.plan, {"micro_batched_until": chosen.micro_batched_until,
                              "micro_batches": chosen.micro_batches}
-    report = _tune(plan, batch_sizes, budget_bytes)
+    report = _tune(_memory_planned(plan), batch_sizes, budget_bytes)
     report.accumulation_refused = refused
     return report
 
 
-def _tune_accumulated(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
-                      budget_bytes: int, model: DeviceModel,
-                      step_ms: Optional[Callable[[int], float]],
-                      batch_norm_statistics: str) -> TuningReport:
-    """The trials of the whole step in micro-batches, as the callback plans it."""
+def _memory_planned(plan_for):
+    """The trial of each batch whose step `plan_for(batch)` plans with swaps and recomputations
+    (a MemoryPlan and what else the trial records), and its plan if it fits."""
+    def trial_for(batch):
+        try:
+            plan, details = plan_for(batch)
+        except BudgetError as error:
+            return BatchTrial(batch, None, None, error.prediction.peak_bytes, str(error)), None
+        prediction = plan.decisions.prediction
+        return BatchTrial(batch, batch / prediction.step_ms * 1e3, prediction.step_ms,
+                          prediction.peak_bytes, **details), plan
+    return trial_for
+
+
+def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceModel,
+                 step_ms: Optional[Callable[[int], float]], batch_norm_statistics: str):
+    """The trial of each batch with the whole step in micro-batches, as the callback plans it,
+    and its plan if it fits."""
     shape = keras_model.input_shape[1:]
 
     def trace(size):
         return tf.function(keras_model.train_step).get_concrete_function(
             (tf.TensorSpec([size, *shape]), tf.TensorSpec([size], tf.int32)))
 
-    trials, best, best_plan = [], None, None
-    for batch in sorted(set(batch_sizes)):
+    def trial_for(batch):
         try:
             plan = plan_accumulation(keras_model, batch, budget_bytes, trace,
                                      batch_norm_statistics)
         except AccumulationError as error:
-            trials.append(BatchTrial(batch, None, None, error.predicted_peak_bytes or 0,
-                                     str(error)))
-            continue
+            return BatchTrial(batch, None, None, error.predicted_peak_bytes or 0,
+                              str(error)), None
         size = plan.micro_batch_size
         micro_ms = (step_ms(size) if step_ms else plan_step_memory(
             trace(size), 1 << 62, model).decisions.prediction.step_ms)
         total_ms = micro_ms * plan.micro_batches
-        trial = BatchTrial(batch, batch / total_ms * 1e3, total_ms, plan.predicted_peak_bytes,
-                           micro_batches=plan.micro_batches, accumulated_micro_batch=size)
-        trials.append(trial)
-        if best is None or trial.images_per_second > best.images_per_second:
-            best, best_plan = trial, plan
-    return TuningReport(budget_bytes, trials, best, best_plan)
+        return BatchTrial(batch, batch / total_ms * 1e3, total_ms, plan.predicted_peak_bytes,
+                          micro_batches=plan.micro_batches, accumulated_micro_batch=size), plan
+    return trial_for
 
 
-def _tune(plan_for, batch_sizes: Iterable[int], budget_bytes: int) -> TuningReport:
-    """The trials of `plan_for(batch)` (a MemoryPlan and what else the trial records) and the
+def _tune(trial_for, batch_sizes: Iterable[int], budget_bytes: int) -> TuningReport:
+    """`trial_for(batch)` of each batch size (its trial, and its plan where it fits) and the
     best of them."""
     trials, best, best_plan = [], None, None
     for batch in sorted(set(batch_sizes)):
-        try:
-            plan, details = plan_for(batch)
-        except BudgetError as error:
-            trials.append(BatchTrial(batch, None, None, error.prediction.peak_bytes, str(error)))
-            continue
-        prediction = plan.decisions.prediction
-        trial = BatchTrial(batch, batch / prediction.step_ms * 1e3, prediction.step_ms,
-                           prediction.peak_bytes, **details)
+        trial, plan = trial_for(batch)
         trials.append(trial)
-        if best is None or trial.images_per_second > best.images_per_second:
+        if plan is not None and (best is None
+                                 or trial.images_per_second > best.images_per_second):
             best, best_plan = trial, plan
     return TuningReport(budget_bytes, trials, best, best_plan)
-
-
