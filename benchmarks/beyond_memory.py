@@ -200,14 +200,8 @@ class EpochTimer(tf.keras.callbacks.Callback):
 
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     """One batch size of `keras_fit`, in this process (its child)."""
-    import keras
-
-    model = _load_model(name, smoke)
-    shape = model.input_shape[1:]
-    model.compile(keras.optimizers.SGD(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    images = tf.random.stateless_uniform([batch, *shape], seed=[1, 2])
-    data = tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
+    model = _compiled_model(name, smoke)
+    data = _one_batch_repeated(model, batch)
 
     epochs = []
 
@@ -221,6 +215,19 @@ def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
             if tf.config.list_logical_devices("GPU") else None)
     return {"jit_compile": bool(model.jit_compile), "img_per_s": rate, "error": error,
             "epoch_seconds": epochs, "peak_bytes": peak}
+
+
+def _compiled_model(name: str, smoke: bool):
+    """The model compiled as every Keras run here trains it: SGD, sparse cross-entropy."""
+    model = _load_model(name, smoke)
+    model.compile(tf.keras.optimizers.SGD(0.01),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _one_batch_repeated(model, batch: int) -> tf.data.Dataset:
+    images = tf.random.stateless_uniform([batch, *model.input_shape[1:]], seed=[1, 2])
+    return tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
 
 
 def _load_model(name: str, smoke: bool):
@@ -356,9 +363,7 @@ def _tune_child(args) -> dict:
     name, budget, *batches = args.tune_child
     setting = _child_setup(args)
     keras.utils.set_random_seed(0)
-    model = _load_model(name, name == "smoke")
-    model.compile(keras.optimizers.SGD(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = _compiled_model(name, name == "smoke")
     start = time.perf_counter()
     report = tune_keras_batch_size(
         model, [int(b) for b in batches], int(budget),
@@ -382,11 +387,8 @@ def _keras_callback_child(args) -> dict:
     setting = _child_setup(args)
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     keras.utils.set_random_seed(0)
-    model = _load_model(name, name == "smoke")
-    model.compile(keras.optimizers.SGD(0.01),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    images = tf.random.stateless_uniform([batch, *model.input_shape[1:]], seed=[1, 2])
-    data = tf.data.Dataset.from_tensors((images, tf.zeros([batch], tf.int32))).repeat()
+    model = _compiled_model(name, name == "smoke")
+    data = _one_batch_repeated(model, batch)
     callback = tf_ucudnn.MicroBatchCallback(
         None, memory_budget=int(budget),
         device_model=DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
