@@ -89,6 +89,21 @@ def test_algorithm_round_trip_every_math_type(algo, math):
     ("algo=1,math=bogus", "math must be one of"),
     ("algo=1,math=", "math must be one of"),
     ("AUTO", "expected 'algo=N[,math=NAME]'"),
+    ("algo=1,engine=3", "expected 'algo=N[,math=NAME]'"),          # an algo: engine unknown
+    ("engine=1,math=fma", "or 'engine=N[,knobs=NAME:V/NAME:V...]'"),  # engines take no math
+    ("knobs=A:1", "expected 'algo=N[,math=NAME]'"),                  # no engine
+    ("engine=1,engine=2", "expected 'algo=N[,math=NAME]'"),          # given twice
+    ("engine=x", "engine is not an integer"),
+    ("engine=1_0", "engine is not an integer"),
+    ("engine=", "engine is not an integer"),
+    ("engine=1,knobs=", "knob '' is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC", "is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:x", "is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:2/", "knob '' is not NAME:INTEGER"),
+    ("engine=1,knobs=SPLIT_K_SLC:2;TILEK:1", "is not NAME:INTEGER"),
+    ("engine=1,knobs=split_k:2", "KnobType_t name"),
+    ("engine=1,knobs=A:1/A:2", "given twice"),
+    ("engine=-1", "non-negative"),
 ], ids=repr)
 def test_algorithm_parse_rejects(text, reason):
     with pytest.raises(ValueError) as info:
@@ -155,29 +170,6 @@ def test_engine_configs_equal_whatever_the_knob_order():
     other = Algorithm.parse("engine=3,knobs=A:2/B:1")
     assert one == other and hash(one) == hash(other)
     assert one != Algorithm(engine=3) != Algorithm(3)
-
-
-@pytest.mark.parametrize("text, reason", [
-    ("algo=1,engine=3", "expected 'algo=N[,math=NAME]'"),          # an algo: engine unknown
-    ("engine=1,math=fma", "or 'engine=N[,knobs=NAME:V/NAME:V...]'"),  # engines take no math
-    ("knobs=A:1", "expected 'algo=N[,math=NAME]'"),                  # no engine
-    ("engine=1,engine=2", "expected 'algo=N[,math=NAME]'"),          # given twice
-    ("engine=x", "engine is not an integer"),
-    ("engine=1_0", "engine is not an integer"),
-    ("engine=", "engine is not an integer"),
-    ("engine=1,knobs=", "knob '' is not NAME:INTEGER"),
-    ("engine=1,knobs=SPLIT_K_SLC", "is not NAME:INTEGER"),
-    ("engine=1,knobs=SPLIT_K_SLC:x", "is not NAME:INTEGER"),
-    ("engine=1,knobs=SPLIT_K_SLC:2/", "knob '' is not NAME:INTEGER"),
-    ("engine=1,knobs=SPLIT_K_SLC:2;TILEK:1", "is not NAME:INTEGER"),
-    ("engine=1,knobs=split_k:2", "KnobType_t name"),
-    ("engine=1,knobs=A:1/A:2", "given twice"),
-    ("engine=-1", "non-negative"),
-], ids=repr)
-def test_engine_config_parse_rejects(text, reason):
-    with pytest.raises(ValueError) as info:
-        Algorithm.parse(text)
-    assert reason in str(info.value)
 
 
 @pytest.mark.parametrize("kwargs, reason", [
