@@ -62,7 +62,10 @@ def _tensorflow_flags():
 
 
 def _site_packages_dirs():
-    return [p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]} if p]
+    """Where this Python imports packages from (site-packages, and PYTHONPATH's folders), so that
+    NVIDIA's wheels are found wherever they were installed for it."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]
+    return [p for p in dict.fromkeys(dirs) if p and os.path.isdir(p)]
 
 
 def _find_cuda():
@@ -104,7 +107,9 @@ def _find_cudnn_frontend(cuda_include_dirs, cuda_library_dirs):
     if not frontend:
         return None, ("no cudnn_frontend.h (set CUDNN_FRONTEND_INCLUDE or install "
                       "nvidia-cudnn-frontend)")
-    nvrtc_homes = [os.path.join(p, "nvidia", "cuda_nvrtc") for p in _site_packages_dirs()]
+    # nvidia-cuda-nvrtc's wheels: nvidia/cuda_nvrtc for CUDA 12, nvidia/cu13 for CUDA 13.
+    nvrtc_homes = [os.path.join(p, "nvidia", home) for p in _site_packages_dirs()
+                   for home in ("cuda_nvrtc", "cu13")]
     include_dirs = [*cuda_include_dirs, *(os.path.join(h, "include") for h in nvrtc_homes)]
     library_dirs = [*cuda_library_dirs, *(os.path.join(h, "lib") for h in nvrtc_homes)]
     nvrtc = next((d for d in include_dirs if os.path.exists(os.path.join(d, "nvrtc.h"))), None)

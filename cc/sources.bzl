@@ -37,5 +37,6 @@ GPU_SOURCES = [
 
 # Compiled by nvcc.
 CUDA_SOURCES = [
+    "cc/cudnn/accumulate.cu.cc",
     "cc/cudnn/strided_copy.cu.cc",
 ]

@@ -264,6 +264,26 @@ def backprop_filter(x, filter_sizes, dy, cfg: Conv):
     return undilate_filter(dw, dil)
 
 
+def kernel_result(kernel: str, cfg: Conv, x, w, dy):
+    """One kernel's result in float64: the output ("fwd"), the input gradient ("bwd_data") or
+    the filter gradient ("bwd_filter") of `cfg`, the latter two for the output gradient `dy`."""
+    if kernel == "fwd":
+        return conv(x, w, cfg)
+    if kernel == "bwd_data":
+        return backprop_input(cfg.input_shape, w, dy, cfg)
+    return backprop_filter(x, cfg.filter_shape, dy, cfg)
+
+
+def run_kernel(kernel: str, cfg: Conv, x, w, dy, plan):
+    """The same kernel of a 2-D convolution through tf_ucudnn's op with `plan`."""
+    import tf_ucudnn
+    if kernel == "fwd":
+        return tf_ucudnn.conv2d(x, w, **cfg.kwargs(), plan=plan)
+    if kernel == "bwd_data":
+        return tf_ucudnn.conv2d_backprop_input(cfg.input_shape, w, dy, **cfg.kwargs(), plan=plan)
+    return tf_ucudnn.conv2d_backprop_filter(x, cfg.filter_shape, dy, **cfg.kwargs(), plan=plan)
+
+
 # ----------------------------------------------------------------------------------- tolerances
 
 # Per rounding of the result, relative to the error scale below: 4 unit roundoffs of the result

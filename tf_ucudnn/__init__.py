@@ -12,7 +12,7 @@ from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.keras.callback import MicroBatchCallback
-from tf_ucudnn.kernels.library import gpu_kernels_available, load_ops
+from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, load_ops
 from tf_ucudnn.kernels.ops import (
     conv2d,
     conv2d_backprop_filter,
@@ -29,5 +29,5 @@ __all__ = [
     "MicroBatch", "MicroBatchCallback", "RewriteReport", "TfUcudnnError",
     "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
     "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",
-    "gpu_kernels_available", "load_ops", "memory", "parallel", "rewrite",
+    "engines_available", "gpu_kernels_available", "load_ops", "memory", "parallel", "rewrite",
 ]

@@ -6,8 +6,8 @@
 //   kernel      ConvKernel as an integer
 //   geometry    ConvGeometry::Encode()
 //   sizes       micro-batch sizes, in order
-//   algorithms  each micro-batch's cudnnConvolution*Algo_t
-//   maths       each micro-batch's cudnnMathType_t
+//   algorithms  each micro-batch's algorithm as plan text, joined by ';': a legacy algorithm with
+//               its math made explicit, or an engine configuration
 //   op_name     the op and node, for errors and logs
 //
 // Operands: forward (input, filter), backprop input (filter, out_backprop), backprop filter
@@ -31,7 +31,7 @@ inline constexpr char kConvCustomCallTarget[] = "tf_ucudnn_convolution";
 struct ConvCustomCall {
   ConvKernel kernel = ConvKernel::kForward;
   ConvGeometry geometry;
-  std::vector<MicroBatch> micro_batches;  // explicit algorithms and maths only
+  std::vector<MicroBatch> micro_batches;  // engines, or legacy algorithms with explicit maths
   size_t scratch_bytes = 0;
   std::string op_name;
 

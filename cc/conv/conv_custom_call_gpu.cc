@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "cc/cudnn/conv_resources.h"
 #include "cc/cudnn/convolution.h"
 #include "tensorflow/core/framework/types.h"
@@ -50,14 +51,6 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   call->micro_batches = micro_batches;
   call->scratch_bytes = 0;
   if (micro_batches.empty() || HasZeroSize(call->geometry)) return absl::OkStatus();
-  for (const MicroBatch& mb : micro_batches) {
-    // The custom call's backend config carries legacy algorithm numbers only.
-    if (mb.algorithm.is_engine()) {
-      return absl::UnimplementedError(absl::StrCat(
-          call->op_name, ": cuDNN engine configuration '", mb.algorithm.ToString(),
-          "' cannot run under XLA yet; plan this layer with legacy algorithms"));
-    }
-  }
   PlanningResources resources(call->op_name);
   std::vector<ResolvedCall> resolved;
   TF_RETURN_IF_ERROR(
@@ -65,6 +58,7 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
           .Prepare(micro_batches, &resolved, &call->scratch_bytes));
   for (size_t i = 0; i < resolved.size(); ++i) {
     AlgorithmSpec& spec = call->micro_batches[i].algorithm;
+    if (spec.is_engine()) continue;  // its execution plan is built when it first runs
     spec.automatic = false;
     spec.algo = resolved[i].algo;
     spec.math = static_cast<MathMode>(resolved[i].math);
@@ -105,28 +99,28 @@ ffi::Error ToFfiError(const absl::Status& status) {
 ffi::Error RunCustomCall(cudaStream_t stream, ffi::AnyBuffer first, ffi::AnyBuffer second,
                          ffi::Result<ffi::AnyBuffer> result, ffi::Result<ffi::AnyBuffer> scratch,
                          int64_t kernel, ffi::Span<const int64_t> geometry,
-                         ffi::Span<const int64_t> sizes, ffi::Span<const int64_t> algorithms,
-                         ffi::Span<const int64_t> maths, std::string_view op_name) {
+                         ffi::Span<const int64_t> sizes, std::string_view algorithms,
+                         std::string_view op_name) {
   ConvCustomCall call;
   call.op_name = std::string(op_name);
   absl::Status status = ConvGeometry::Decode(geometry.begin(), geometry.size(), &call.geometry);
-  if (kernel < 0 || kernel > 2 || sizes.size() != algorithms.size() ||
-      sizes.size() != maths.size()) {
+  const std::vector<std::string> texts =
+      algorithms.empty() ? std::vector<std::string>{}
+                         : absl::StrSplit(absl::string_view(algorithms.data(), algorithms.size()),
+                                          ';');
+  if (kernel < 0 || kernel > 2 || sizes.size() != texts.size()) {
     status = absl::InvalidArgumentError("malformed kernel or plan attributes");
+  }
+  if (status.ok()) {
+    call.kernel = static_cast<ConvKernel>(kernel);
+    std::vector<int64_t> plan_sizes(sizes.begin(), sizes.end());
+    MicroBatchPlan plan;
+    status = MicroBatchPlan::FromAttrs(call.kernel, plan_sizes, texts, &plan);
+    if (status.ok()) status = plan.Resolve(plan.total(), &call.micro_batches);
   }
   if (!status.ok()) {
     return ToFfiError(absl::Status(status.code(),
                                    absl::StrCat(call.op_name, ": ", status.message())));
-  }
-  call.kernel = static_cast<ConvKernel>(kernel);
-  int64_t offset = 0;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    AlgorithmSpec spec;
-    spec.automatic = false;
-    spec.algo = static_cast<int>(algorithms[i]);
-    spec.math = static_cast<MathMode>(maths[i]);
-    call.micro_batches.push_back({offset, sizes[i], spec});
-    offset += sizes[i];
   }
   switch (first.element_type()) {
     case ffi::DataType::F32:
@@ -177,8 +171,7 @@ XLA_FFI_DEFINE_HANDLER(kConvCustomCallHandler, RunCustomCall,
                            .Attr<int64_t>("kernel")
                            .Attr<ffi::Span<const int64_t>>("geometry")
                            .Attr<ffi::Span<const int64_t>>("sizes")
-                           .Attr<ffi::Span<const int64_t>>("algorithms")
-                           .Attr<ffi::Span<const int64_t>>("maths")
+                           .Attr<std::string_view>("algorithms")
                            .Attr<std::string_view>("op_name"));
 
 XLA_FFI_REGISTER_HANDLER(ffi::GetXlaFfiApi(), kConvCustomCallTarget, "CUDA",

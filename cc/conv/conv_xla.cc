@@ -223,15 +223,15 @@ UCUDNN_XLA_CONV(UcudnnConv3DBackpropFilter, ConvKernel::kBackpropFilter, 3,
 }  // namespace
 
 std::string ConvCustomCall::BackendConfig() const {
-  std::vector<int64_t> sizes, algorithms, maths;
+  std::vector<int64_t> sizes;
+  std::vector<std::string> algorithms;
   for (const MicroBatch& mb : micro_batches) {
     sizes.push_back(mb.size);
-    algorithms.push_back(mb.algorithm.algo);
-    maths.push_back(static_cast<int64_t>(mb.algorithm.math));
+    algorithms.push_back(mb.algorithm.ToString());
   }
   return absl::StrCat("{kernel = ", static_cast<int>(kernel), " : i64, geometry = ",
                       MlirArray(geometry.Encode()), ", sizes = ", MlirArray(sizes),
-                      ", algorithms = ", MlirArray(algorithms), ", maths = ", MlirArray(maths),
+                      ", algorithms = ", MlirString(absl::StrJoin(algorithms, ";")),
                       ", op_name = ", MlirString(op_name), "}");
 }
 

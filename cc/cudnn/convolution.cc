@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "cc/cudnn/accumulate.h"
 #include "cc/cudnn/environment.h"
 #include "cc/cudnn/types.h"
 #include "tensorflow/core/platform/errors.h"
@@ -255,12 +256,9 @@ absl::Status CudnnConvolution::ExecuteEngineCall(size_t index, void* cudnn_input
                                                     " for ", g_.DebugString()));
   }
   if (!beside) return absl::OkStatus();
-  TensorDescriptor filter_as_tensor;
-  TF_RETURN_IF_ERROR(
-      filter_as_tensor.Init(type_, layout_.channels_last(), layout_.FilterDims()));
-  TF_UCUDNN_RETURN_IF_CUDNN_ERROR(
-      cudnnAddTensor(handle_.get(), ScaleFactor(type_, 1), filter_as_tensor.get(), engine_filter_,
-                     ScaleFactor(type_, 1), filter_as_tensor.get(), cudnn_filter_),
+  TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+      LaunchAccumulate(engine_filter_, cudnn_filter_, g_.FilterSize(), AccumulatedTypeOf(type_),
+                       stream_),
       absl::StrCat(Where(index), ": adding its filter gradient"));
   return absl::OkStatus();
 }

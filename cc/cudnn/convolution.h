@@ -33,11 +33,14 @@ struct ResolvedCall {
   size_t workspace = 0;
 };
 
-// One algorithm's run at one micro-batch size, as cudnnFind*AlgorithmEx timed it.
+// Which candidates Profile times: the legacy algorithms (cudnnFind*AlgorithmEx) or the
+// graph-API engine configurations cuDNN's heuristics offer (each timed with events).
+enum class ProfiledCandidates { kLegacy, kEngines };
+
+// One algorithm's or engine configuration's run at one micro-batch size.
 struct AlgorithmMeasurement {
   int64_t batch = 0;
-  int algo = -1;
-  cudnnMathType_t math = CUDNN_DEFAULT_MATH;
+  AlgorithmSpec algorithm;  // explicit: a legacy algorithm with its math, or an engine
   float time_ms = 0;
   size_t workspace = 0;
   bool deterministic = false;
@@ -58,10 +61,12 @@ class CudnnConvolution {
 
   absl::Status Run(const std::vector<MicroBatch>& micro_batches);
 
-  // Times every algorithm cuDNN can run at each micro-batch size (cudnnFind*AlgorithmEx, real
-  // buffers, TensorFlow's math for this type) with up to `workspace_limit` bytes of workspace.
-  // Micro-batch i of size n uses the first n samples; results go to scratch buffers.
+  // Times every candidate cuDNN can run at each micro-batch size with up to `workspace_limit`
+  // bytes of workspace, on real buffers: the legacy algorithms (cudnnFind*AlgorithmEx, with
+  // TensorFlow's math for this type) or the engine configurations. A micro-batch of size n uses
+  // the first n samples; results go to scratch buffers.
   absl::Status Profile(const std::vector<int64_t>& sizes, size_t workspace_limit,
+                       ProfiledCandidates candidates,
                        std::vector<AlgorithmMeasurement>* measurements);
 
  private:
@@ -103,6 +108,9 @@ class CudnnConvolution {
   absl::Status Find(const SizeDescriptors& d, void* cudnn_input, void* cudnn_output,
                     void* workspace, size_t workspace_bytes, int64_t size,
                     std::vector<AlgorithmMeasurement>* measurements);
+  absl::Status TimeEngines(void* cudnn_input, void* cudnn_output, void* workspace,
+                           size_t workspace_bytes, int64_t size,
+                           std::vector<AlgorithmMeasurement>* measurements);
 
   ConvResources* resources_;
   const ConvKernel kernel_;
@@ -127,6 +135,11 @@ class CudnnConvolution {
   // added to the others'.
   void* engine_filter_ = nullptr;
 };
+
+// The engine problem of `kernel` at `size` samples of `g` laid out as `layout` on `device` (under
+// TensorFlow's op determinism, deterministic configurations only).
+EngineProblem EngineProblemOf(ConvKernel kernel, const ConvGeometry& g, const CudnnLayout& layout,
+                              cudnnDataType_t type, int64_t size, int device);
 
 // Runs a plan's micro-batches, each one cuDNN call; the op kernels and the XLA custom call alike.
 absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,

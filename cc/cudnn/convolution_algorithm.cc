@@ -120,21 +120,27 @@ absl::Status CudnnConvolution::Resolve(size_t index, ResolvedCall* call) {
   return absl::OkStatus();
 }
 
-EngineProblem CudnnConvolution::Problem(int64_t size) const {
+EngineProblem EngineProblemOf(ConvKernel kernel, const ConvGeometry& g, const CudnnLayout& layout,
+                              cudnnDataType_t type, int64_t size, int device) {
   EngineProblem problem;
-  problem.kernel = kernel_;
-  problem.type = type_;
-  problem.compute = ComputeType(type_);
-  problem.channels_last = layout_.channels_last();
-  problem.input_dims = layout_.InputDims(size);
-  problem.filter_dims = layout_.FilterDims();
-  problem.output_dims = layout_.OutputDims(size);
-  problem.padding = layout_.symmetric_padding();
-  problem.strides.assign(g_.strides.begin(), g_.strides.end());
-  problem.dilations.assign(g_.dilations.begin(), g_.dilations.end());
-  problem.device = device_;
+  problem.kernel = kernel;
+  problem.type = type;
+  problem.compute = ComputeType(type);
+  problem.channels_last = layout.channels_last();
+  problem.input_dims = layout.InputDims(size);
+  problem.filter_dims = layout.FilterDims();
+  problem.output_dims = layout.OutputDims(size);
+  problem.padding = layout.symmetric_padding();
+  problem.strides.assign(g.strides.begin(), g.strides.end());
+  problem.dilations.assign(g.dilations.begin(), g.dilations.end());
+  problem.device = device;
   problem.deterministic_only = tensorflow::OpDeterminismRequired();
+  problem.tensor_ops_allowed = type != CUDNN_DATA_FLOAT || TensorFlowMath(type) != CUDNN_FMA_MATH;
   return problem;
+}
+
+EngineProblem CudnnConvolution::Problem(int64_t size) const {
+  return EngineProblemOf(kernel_, g_, layout_, type_, size, device_);
 }
 
 // cuDNN's heuristics, best first (the *_v7 queries need no buffers and run no kernels).

@@ -1,5 +1,6 @@
-// CudnnConvolution::Profile: cudnnFind*AlgorithmEx runs and times every algorithm on the op's own
-// tensors, through the same descriptors, layout copies and math as Run, for the profiler's table.
+// CudnnConvolution::Profile: times every legacy algorithm (cudnnFind*AlgorithmEx) or every engine
+// configuration on the op's own tensors, through the same descriptors, layout copies and math as
+// Run, for the profiler's table.
 #include "cc/cudnn/convolution.h"
 
 #include <algorithm>
@@ -11,7 +12,15 @@
 #include "tensorflow/core/platform/errors.h"
 
 namespace tf_ucudnn {
+namespace {
+
+// Runs per engine configuration after its warm-up; the median is kept.
+constexpr int kEngineTimingRepeats = 5;
+
+}  // namespace
+
 absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t workspace_limit,
+                                       ProfiledCandidates candidates,
                                        std::vector<AlgorithmMeasurement>* measurements) {
   micro_batches_.clear();
   for (int64_t size : sizes) {
@@ -42,10 +51,36 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   TF_RETURN_IF_ERROR(conv_desc_.SetMath(TensorFlowMath(type_)));
   void* workspace = workspace_limit > 0 ? workspace_ : nullptr;
   for (int64_t size : sizes) {
+    if (candidates == ProfiledCandidates::kEngines) {
+      TF_RETURN_IF_ERROR(
+          TimeEngines(cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
+      continue;
+    }
     SizeDescriptors* d;
     TF_RETURN_IF_ERROR(Descriptors(size, &d));
     TF_RETURN_IF_ERROR(
         Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudnnConvolution::TimeEngines(void* cudnn_input, void* cudnn_output,
+                                           void* workspace, size_t workspace_bytes, int64_t size,
+                                           std::vector<AlgorithmMeasurement>* measurements) {
+  std::vector<EngineTiming> timings;
+  absl::Status status = TimeEngineConfigs(
+      handle_.get(), Problem(size), static_cast<int64_t>(workspace_bytes), cudnn_input,
+      cudnn_filter_, cudnn_output, workspace, kEngineTimingRepeats, &timings);
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("timing engine configurations of ",
+                                                    KernelName(kernel_), " at ", size,
+                                                    " samples for ", g_.DebugString(), ": ",
+                                                    status.message()));
+  }
+  for (EngineTiming& timing : timings) {
+    // Whether an engine is deterministic is not read from cuDNN: planners treat it as not.
+    measurements->push_back({size, std::move(timing.config.spec), timing.time_ms,
+                             static_cast<size_t>(timing.config.workspace_bytes), false});
   }
   return absl::OkStatus();
 }
@@ -64,8 +99,11 @@ absl::Status CudnnConvolution::Find(const SizeDescriptors& d, void* cudnn_input,
     TF_UCUDNN_RETURN_IF_CUDNN_ERROR(status, what);
     for (int i = 0; i < returned; ++i) {
       if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
-      measurements->push_back({size, static_cast<int>(perf[i].algo), perf[i].mathType,
-                               perf[i].time, perf[i].memory,
+      AlgorithmSpec algorithm;
+      algorithm.automatic = false;
+      algorithm.algo = static_cast<int>(perf[i].algo);
+      algorithm.math = static_cast<MathMode>(perf[i].mathType);
+      measurements->push_back({size, std::move(algorithm), perf[i].time, perf[i].memory,
                                perf[i].determinism == CUDNN_DETERMINISTIC});
     }
     return absl::OkStatus();

@@ -12,9 +12,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cc/cudnn/cudnn_support.h"
 #include "tensorflow/core/platform/errors.h"
 
 #if TF_UCUDNN_CUDNN_FRONTEND
+// TensorFlow's framework library exports the symbols of its own, older cudnn-frontend and of the
+// JSON library the frontend bundles. Under their usual names, the dynamic linker binds this
+// library's calls of the frontend's inline functions to TensorFlow's copies, whose classes have
+// another layout (seen as a crash in Graph::tensor); renamed, this build's copies are its own.
+#define cudnn_frontend tf_ucudnn_cudnn_frontend
+#define nlohmann tf_ucudnn_nlohmann
 #include <cudnn_frontend.h>
 #endif
 
@@ -26,7 +33,7 @@ std::string EngineProblem::Key() const {
                       absl::StrJoin(input_dims, ","), "|", absl::StrJoin(filter_dims, ","), "|",
                       absl::StrJoin(output_dims, ","), "|", absl::StrJoin(padding, ","), "|",
                       absl::StrJoin(strides, ","), "|", absl::StrJoin(dilations, ","), "|",
-                      deterministic_only);
+                      deterministic_only, "|", tensor_ops_allowed);
 }
 
 #if TF_UCUDNN_CUDNN_FRONTEND
@@ -221,6 +228,30 @@ struct PreparedEngine {
 
 bool EnginesAvailable() { return true; }
 
+namespace {
+
+// Two CUDA events, destroyed with it.
+class EventPair {
+ public:
+  absl::Status Create() {
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&start_), "cudaEventCreate");
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&stop_), "cudaEventCreate");
+    return absl::OkStatus();
+  }
+  ~EventPair() {
+    if (start_ != nullptr) cudaEventDestroy(start_);
+    if (stop_ != nullptr) cudaEventDestroy(stop_);
+  }
+  cudaEvent_t start() const { return start_; }
+  cudaEvent_t stop() const { return stop_; }
+
+ private:
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+};
+
+}  // namespace
+
 absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
                                int64_t workspace_limit, std::vector<EngineConfigInfo>* configs) {
   configs->clear();
@@ -230,8 +261,12 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
       graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
       "cuDNN heuristics");
   graph->deselect_workspace_greater_than(workspace_limit);
+  graph->deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
   if (problem.deterministic_only) {
     graph->deselect_numeric_notes({fe::NumericalNote_t::NONDETERMINISTIC});
+  }
+  if (!problem.tensor_ops_allowed) {
+    graph->deselect_numeric_notes({fe::NumericalNote_t::TENSOR_CORE});
   }
   // Some configurations fail their support check; those are left out, not an error.
   (void)graph->check_support(handle);
@@ -243,10 +278,14 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
     if (workspace > workspace_limit) continue;
     EngineConfigInfo info;
     std::unordered_map<fe::KnobType_t, int64_t> knobs;
-    TF_UCUDNN_RETURN_IF_FE_ERROR(
-        graph->get_engine_and_knobs_at_index(i, info.spec.engine, knobs), "engine knobs");
+    TF_UCUDNN_RETURN_IF_FE_ERROR(graph->get_engine_and_knobs_at_index(i, info.spec.engine, knobs),
+                                 "engine knobs");
     info.spec.automatic = false;
-    for (const auto& [type, value] : knobs) info.spec.knobs.emplace_back(KnobName(type), value);
+    for (const auto& [type, value] : knobs) {
+      // A knob of a type this frontend does not know reads as NOT_SET, and cannot be set again.
+      if (type == fe::KnobType_t::NOT_SET) continue;
+      info.spec.knobs.emplace_back(KnobName(type), value);
+    }
     std::sort(info.spec.knobs.begin(), info.spec.knobs.end());
     info.workspace_bytes = workspace;
     if (seen.insert(info.spec.ToString()).second) configs->push_back(std::move(info));
@@ -312,6 +351,52 @@ absl::Status ExecuteEngine(cudnnHandle_t handle, const EngineProblem& problem,
                       absl::StrCat("cuDNN engine configuration '", spec.ToString(), "'"));
 }
 
+absl::Status TimeEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
+                               int64_t workspace_limit, void* input, void* filter, void* output,
+                               void* workspace, int repeats, std::vector<EngineTiming>* timings) {
+  timings->clear();
+  std::vector<EngineConfigInfo> configs;
+  TF_RETURN_IF_ERROR(ListEngineConfigs(handle, problem, workspace_limit, &configs));
+  cudaStream_t stream = nullptr;
+  TF_UCUDNN_RETURN_IF_CUDNN_ERROR(cudnnGetStream(handle, &stream), "cudnnGetStream");
+  EventPair events;
+  TF_RETURN_IF_ERROR(events.Create());
+  std::vector<float> times;
+  for (EngineConfigInfo& info : configs) {
+    // Timed as a plan will run it: rebuilt from its engine and knobs alone, which need not be
+    // the configuration the heuristics built (a knob the frontend cannot name takes its default).
+    int64_t workspace_bytes = 0;
+    if (!PrepareEngine(handle, problem, info.spec, &workspace_bytes).ok() ||
+        workspace_bytes > workspace_limit) {
+      continue;
+    }
+    const auto run = [&] {
+      return ExecuteEngine(handle, problem, info.spec, input, filter, output, workspace).ok();
+    };
+    if (!run()) continue;  // the warm-up run; a configuration that cannot run is no candidate
+    times.clear();
+    bool ran = true;
+    for (int r = 0; r < repeats && ran; ++r) {
+      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.start(), stream), "cudaEventRecord");
+      ran = run();
+      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.stop(), stream), "cudaEventRecord");
+      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events.stop()), "cudaEventSynchronize");
+      float ms = 0;
+      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, events.start(), events.stop()),
+                                     "cudaEventElapsedTime");
+      times.push_back(ms);
+    }
+    if (!ran || times.empty()) continue;
+    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+    info.workspace_bytes = workspace_bytes;
+    timings->push_back({std::move(info), times[times.size() / 2]});
+  }
+  // A kernel that failed asynchronously would poison the next op; say so here instead.
+  TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream),
+                                 "timing cuDNN engine configurations");
+  return absl::OkStatus();
+}
+
 #else  // !TF_UCUDNN_CUDNN_FRONTEND
 
 namespace {
@@ -338,6 +423,11 @@ absl::Status PrepareEngine(cudnnHandle_t, const EngineProblem&, const AlgorithmS
 
 absl::Status ExecuteEngine(cudnnHandle_t, const EngineProblem&, const AlgorithmSpec&, void*,
                            void*, void*, void*) {
+  return NoFrontend();
+}
+
+absl::Status TimeEngineConfigs(cudnnHandle_t, const EngineProblem&, int64_t, void*, void*, void*,
+                               void*, int, std::vector<EngineTiming>*) {
   return NoFrontend();
 }
 

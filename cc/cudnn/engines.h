@@ -29,6 +29,9 @@ struct EngineProblem {
   std::vector<int64_t> padding, strides, dilations;
   int device = 0;
   bool deterministic_only = false;  // TensorFlow's op determinism: leave out the others
+  // Whether tensor-core math may stand in for float32 (TensorFlow's TF32 setting): where not,
+  // listings leave out configurations with cuDNN's TENSOR_CORE numerical note, as TensorFlow does.
+  bool tensor_ops_allowed = true;
 
   // Everything the graph depends on: plans are cached under it.
   std::string Key() const;
@@ -40,13 +43,30 @@ struct EngineConfigInfo {
   int64_t workspace_bytes = 0;
 };
 
+// One engine configuration's run time, from TimeEngineConfigs.
+struct EngineTiming {
+  EngineConfigInfo config;
+  float time_ms = 0;
+};
+
 // Whether this build can use engines (the frontend's headers were found).
 bool EnginesAvailable();
 
 // The engine configurations of heuristics modes A and FALLBACK, deduplicated, that need at most
 // `workspace_limit` bytes (cudnn-frontend's deselect_workspace_greater_than) and cuDNN supports.
+// Configurations that compile their kernels at run time (nvrtc) are left out: building one takes
+// seconds, paid again by every process for every micro-batch size.
 absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
                                int64_t workspace_limit, std::vector<EngineConfigInfo>* configs);
+
+// Runs each configuration ListEngineConfigs gives on the handle's stream, on the problem's
+// tensors (`input`, `filter`, `output` as ExecuteEngine takes them; the kernel's result is
+// overwritten) with `workspace` of `workspace_limit` bytes, and times it: one warm-up run, then
+// the median of `repeats` runs, each between two CUDA events. A configuration that fails to run
+// is left out.
+absl::Status TimeEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
+                               int64_t workspace_limit, void* input, void* filter, void* output,
+                               void* workspace, int repeats, std::vector<EngineTiming>* timings);
 
 // Builds (once per problem and configuration, for the process) the execution plan of `spec` and
 // gives its workspace. A configuration cuDNN does not support for the problem is an error.

@@ -17,6 +17,19 @@ size_t ElementSize(cudnnDataType_t type) {
   }
 }
 
+AccumulatedType AccumulatedTypeOf(cudnnDataType_t type) {
+  switch (type) {
+    case CUDNN_DATA_DOUBLE:
+      return AccumulatedType::kDouble;
+    case CUDNN_DATA_FLOAT:
+      return AccumulatedType::kFloat;
+    case CUDNN_DATA_BFLOAT16:
+      return AccumulatedType::kBfloat16;
+    default:
+      return AccumulatedType::kHalf;
+  }
+}
+
 cudnnDataType_t ComputeType(cudnnDataType_t type) {
   return type == CUDNN_DATA_DOUBLE ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
 }

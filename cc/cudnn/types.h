@@ -8,6 +8,7 @@
 #include <cudnn.h>
 
 #include "cc/conv/conv_geometry.h"
+#include "cc/cudnn/accumulate.h"
 #include "tensorflow/core/framework/numeric_types.h"
 
 namespace tf_ucudnn {
@@ -33,6 +34,9 @@ struct CudnnDataType<double> {
 
 // Bytes per element of half, bfloat16, float or double data.
 size_t ElementSize(cudnnDataType_t type);
+
+// The accumulation kernel's name for half, bfloat16, float or double data.
+AccumulatedType AccumulatedTypeOf(cudnnDataType_t type);
 
 // Half types accumulate in float; double stays double. alpha and beta scale in this type too.
 cudnnDataType_t ComputeType(cudnnDataType_t type);

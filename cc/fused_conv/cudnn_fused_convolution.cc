@@ -73,11 +73,14 @@ class CudnnFusedConvolution {
   void* Element(void* base, int64_t index) const;
   absl::Status OutputDescriptor(int64_t size, const TensorDescriptor** out);
   absl::Status Execute(size_t index, const ResolvedCall& call);
+  absl::Status Finish(size_t index, const TensorDescriptor& output_desc, void* cudnn_output,
+                      void* output, bool fused);
   // The bias and the activation as calls of their own, in place on `y`.
   absl::Status AddBiasAndActivate(const TensorDescriptor& y_desc, void* y);
   std::string Where(size_t index) const;
 
   ConvResources* resources_;
+  int device_ = 0;
   const ConvGeometry& g_;
   const cudnnDataType_t type_;
   const CudnnLayout layout_;
@@ -140,10 +143,9 @@ absl::Status CudnnFusedConvolution::RunWithoutConvolution() {
 // do not depend on the micro-batch.
 absl::Status CudnnFusedConvolution::Begin() {
   stream_ = resources_->stream();
-  int device = 0;
-  TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.output, &device));
-  TF_RETURN_IF_ERROR(scoped_device_.Enter(device));
-  TF_RETURN_IF_ERROR(AcquireCudnnHandle(device, stream_, &handle_));
+  TF_RETURN_IF_ERROR(DeviceOfPointer(buffers_.output, &device_));
+  TF_RETURN_IF_ERROR(scoped_device_.Enter(device_));
+  TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
   std::vector<int64_t> bias_dims(g_.num_spatial_dims() + 2, 1);
   bias_dims[1] = g_.out_channels;
   TF_RETURN_IF_ERROR(bias_desc_.Init(type_, /*channels_last=*/false, bias_dims));
@@ -205,6 +207,18 @@ absl::Status CudnnFusedConvolution::Execute(size_t index, const ResolvedCall& ca
     TF_RETURN_IF_ERROR(Copy(layout_.InputCopy(mb.size, /*to_cudnn=*/true), input, cudnn_input));
   }
   void* workspace = call.workspace > 0 ? workspace_ : nullptr;
+  if (mb.algorithm.is_engine()) {
+    // An engine configuration runs the convolution alone; the bias and activation follow.
+    const EngineProblem problem =
+        EngineProblemOf(ConvKernel::kForward, g_, layout_, type_, mb.size, device_);
+    absl::Status status = ExecuteEngine(handle_.get(), problem, mb.algorithm, cudnn_input,
+                                        cudnn_filter_, cudnn_output, workspace);
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(Where(index), ": ", status.message(),
+                                                      " for ", g_.DebugString()));
+    }
+    return Finish(index, *output_desc, cudnn_output, output, /*fused=*/false);
+  }
   const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(call.algo);
   const void* one = ScaleFactor(type_, 1);
   const void* zero = ScaleFactor(type_, 0);
@@ -240,12 +254,18 @@ absl::Status CudnnFusedConvolution::Execute(size_t index, const ResolvedCall& ca
                                           ") and ", MathName(call.math), " math failed for ",
                                           g_.DebugString()));
   }
+  return Finish(index, *output_desc, cudnn_output, output, fused);
+}
+
+// The bias and activation where the call did not fuse them, and the result to the op's tensor.
+absl::Status CudnnFusedConvolution::Finish(size_t index, const TensorDescriptor& output_desc,
+                                           void* cudnn_output, void* output, bool fused) {
   if (!fused) {
-    TF_RETURN_IF_ERROR(AddBiasAndActivate(*output_desc, cudnn_output));
+    TF_RETURN_IF_ERROR(AddBiasAndActivate(output_desc, cudnn_output));
   }
   if (layout_.transposed()) {
-    TF_RETURN_IF_ERROR(
-        Copy(layout_.OutputCopy(mb.size, /*to_cudnn=*/false), cudnn_output, output));
+    TF_RETURN_IF_ERROR(Copy(layout_.OutputCopy(micro_batches_[index].size, /*to_cudnn=*/false),
+                            cudnn_output, output));
   }
   return absl::OkStatus();
 }

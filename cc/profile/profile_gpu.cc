@@ -10,6 +10,7 @@
 #include "cc/conv/conv_attrs.h"
 #include "cc/conv/conv_op_kernel.h"
 #include "cc/cudnn/convolution.h"
+#include "cc/cudnn/engines.h"
 #include "cc/cudnn/op_kernel_resources.h"
 #include "cc/cudnn/types.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -32,6 +33,10 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
               : kernel == "bwd_data" ? ConvKernel::kBackpropInput
                                      : ConvKernel::kBackpropFilter;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("batch_sizes", &batch_sizes_));
+    std::string candidates;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("candidates", &candidates));
+    candidates_ = candidates == "engines" ? ProfiledCandidates::kEngines
+                                          : ProfiledCandidates::kLegacy;
     int64_t limit = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("workspace_limit", &limit));
     OP_REQUIRES(ctx, limit >= 0, absl::InvalidArgumentError("workspace_limit must be >= 0"));
@@ -53,25 +58,26 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
                                       const_cast<T*>(out_backprop.flat<T>().data())};
       OpKernelResources resources(ctx);
       status = CudnnConvolution(&resources, kernel_, geometry, CudnnDataType<T>::value, buffers)
-                   .Profile(batch_sizes_, workspace_limit_, &measurements);
+                   .Profile(batch_sizes_, workspace_limit_, candidates_, &measurements);
     }
     OP_REQUIRES(ctx, status.ok(),
                 absl::Status(status.code(), absl::StrCat(type_string(), " '", name(), "' (",
                                                          KernelName(kernel_), " kernel): ",
                                                          status.message())));
-    tensorflow::Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, tensorflow::TensorShape({static_cast<int64_t>(measurements.size()), 6}),
-                            &output));
-    auto rows = output->matrix<double>();
-    for (size_t i = 0; i < measurements.size(); ++i) {
+    const int64_t count = static_cast<int64_t>(measurements.size());
+    tensorflow::Tensor* table = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({count, 4}), &table));
+    tensorflow::Tensor* algorithms = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tensorflow::TensorShape({count}), &algorithms));
+    auto rows = table->matrix<double>();
+    auto texts = algorithms->vec<tensorflow::tstring>();
+    for (int64_t i = 0; i < count; ++i) {
       const AlgorithmMeasurement& m = measurements[i];
       rows(i, 0) = static_cast<double>(m.batch);
-      rows(i, 1) = m.algo;
-      rows(i, 2) = static_cast<double>(m.math);
-      rows(i, 3) = m.time_ms;
-      rows(i, 4) = static_cast<double>(m.workspace);
-      rows(i, 5) = m.deterministic ? 1.0 : 0.0;
+      rows(i, 1) = m.time_ms;
+      rows(i, 2) = static_cast<double>(m.workspace);
+      rows(i, 3) = m.deterministic ? 1.0 : 0.0;
+      texts(i) = m.algorithm.ToString();
     }
   }
 
@@ -80,6 +86,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
   ConvKernel kernel_ = ConvKernel::kForward;
   std::vector<int64_t> batch_sizes_;
   size_t workspace_limit_ = 0;
+  ProfiledCandidates candidates_ = ProfiledCandidates::kLegacy;
 };
 
 // The tensors stay on the GPU; the small result table is written by the host.
@@ -87,7 +94,8 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
   REGISTER_KERNEL_BUILDER(Name("UcudnnProfileConvolution")          \
                               .Device(tensorflow::DEVICE_GPU)       \
                               .TypeConstraint<T>("T")               \
-                              .HostMemory("measurements"),          \
+                              .HostMemory("measurements")           \
+                              .HostMemory("algorithms"),            \
                           ProfileConvolutionOp<T>);
 
 REGISTER_PROFILE_GPU(Eigen::half);
@@ -105,9 +113,21 @@ class CudnnVersionOp : public tensorflow::OpKernel {
   }
 };
 
-// A host query: it runs on the CPU device, but exists only where the cuDNN kernels were built.
+class EnginesAvailableOp : public tensorflow::OpKernel {
+ public:
+  using tensorflow::OpKernel::OpKernel;
+  void Compute(tensorflow::OpKernelContext* ctx) override {
+    tensorflow::Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tensorflow::TensorShape({}), &output));
+    output->scalar<bool>()() = EnginesAvailable();
+  }
+};
+
+// Host queries: they run on the CPU device, but exist only where the cuDNN kernels were built.
 REGISTER_KERNEL_BUILDER(Name("UcudnnCudnnVersion").Device(tensorflow::DEVICE_CPU),
                         CudnnVersionOp);
+REGISTER_KERNEL_BUILDER(Name("UcudnnEnginesAvailable").Device(tensorflow::DEVICE_CPU),
+                        EnginesAvailableOp);
 
 }  // namespace tf_ucudnn
 

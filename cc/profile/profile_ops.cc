@@ -1,5 +1,5 @@
-// The profiling op: times every cuDNN algorithm of one convolution kernel at candidate
-// micro-batch sizes. GPU only; tf_ucudnn.profiling.profiler drives it layer by layer.
+// The profiling op: times every cuDNN algorithm or engine configuration of one convolution kernel
+// at candidate micro-batch sizes. GPU only; tf_ucudnn.profiling.profiler drives it layer by layer.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -13,6 +13,7 @@ REGISTER_OP("UcudnnProfileConvolution")
     .Input("filter: T")
     .Input("out_backprop: T")
     .Output("measurements: double")
+    .Output("algorithms: string")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("kernel: {'fwd', 'bwd_data', 'bwd_filter'}")
     .Attr("strides: list(int)")
@@ -22,24 +23,36 @@ REGISTER_OP("UcudnnProfileConvolution")
     .Attr("dilations: list(int)")
     .Attr("batch_sizes: list(int)")
     .Attr("workspace_limit: int")
+    .Attr("candidates: {'legacy', 'engines'} = 'legacy'")
     // Each run measures anew: never constant-folded, merged or skipped.
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Matrix(c->UnknownDim(), 6));
+      auto rows = c->UnknownDim();
+      c->set_output(0, c->Matrix(rows, 4));
+      c->set_output(1, c->Vector(rows));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Times every algorithm cuDNN can run for one kernel of a convolution at each of `batch_sizes`
-(cudnnFind*AlgorithmEx on the given tensors, using their first samples), with up to
-`workspace_limit` bytes of workspace and the math TensorFlow would use for T.
+Times every candidate cuDNN can run for one kernel of a convolution at each of `batch_sizes`, on
+the given tensors (their first samples), with up to `workspace_limit` bytes of workspace:
+`candidates` 'legacy' times the legacy algorithms (cudnnFind*AlgorithmEx, with the math TensorFlow
+would use for T), 'engines' the graph-API engine configurations of cuDNN's heuristics (a warm-up
+run, then the median of five runs between CUDA events each).
 
-measurements: one row per algorithm run: batch size, algorithm, cudnnMathType_t, time in
-  milliseconds, workspace bytes, 1 if deterministic else 0.
+measurements: one row per candidate run: batch size, time in milliseconds, workspace bytes,
+  1 if known to be deterministic else 0.
+algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]").
 )doc");
 
 REGISTER_OP("UcudnnCudnnVersion")
     .Output("version: int64")
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc("cudnnGetVersion() of the cuDNN library tf_ucudnn's kernels run (GPU builds only).");
+
+REGISTER_OP("UcudnnEnginesAvailable")
+    .Output("available: bool")
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc("Whether the cuDNN kernels were built with cudnn-frontend, so that they can list, time "
+         "and run graph-API engine configurations (GPU builds only).");
 
 }  // namespace tf_ucudnn

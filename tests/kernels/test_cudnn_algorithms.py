@@ -23,22 +23,6 @@ CONFIGS = {
 }
 
 
-def _run(kernel, cfg, x, w, dy, plan):
-    if kernel == "fwd":
-        return tf_ucudnn.conv2d(x, w, **cfg.kwargs(), plan=plan)
-    if kernel == "bwd_data":
-        return tf_ucudnn.conv2d_backprop_input(cfg.input_shape, w, dy, **cfg.kwargs(), plan=plan)
-    return tf_ucudnn.conv2d_backprop_filter(x, cfg.filter_shape, dy, **cfg.kwargs(), plan=plan)
-
-
-def _expected(kernel, cfg, x, w, dy):
-    if kernel == "fwd":
-        return reference.conv(x, w, cfg)
-    if kernel == "bwd_data":
-        return reference.backprop_input(cfg.input_shape, w, dy, cfg)
-    return reference.backprop_filter(x, cfg.filter_shape, dy, cfg)
-
-
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -47,14 +31,14 @@ def test_every_algorithm_is_right_or_refused(gpu_device, kernel, config, dtype, 
     x = reference.random(cfg.input_shape, dtype, rng)
     w = reference.random(cfg.filter_shape, dtype, rng)
     dy = reference.random(cfg.output_shape, dtype, rng)
-    expected = _expected(kernel, cfg, x, w, dy)
-    scale = _expected(kernel, cfg, tf.abs(x), tf.abs(w), tf.abs(dy))
+    expected = reference.kernel_result(kernel, cfg, x, w, dy)
+    scale = reference.kernel_result(kernel, cfg, tf.abs(x), tf.abs(w), tf.abs(dy))
     ran, refused = [], []
     for algo in range(ALGORITHM_COUNTS[kernel]):
         plan = tf_ucudnn.KernelPlan.of((2, algo), (3, algo))
         try:
             with tf.device(gpu_device):
-                result = _run(kernel, cfg, x, w, dy, plan)
+                result = reference.run_kernel(kernel, cfg, x, w, dy, plan)
         except tf.errors.InvalidArgumentError as error:
             assert f"does not support algorithm {algo} " in error.message, error.message
             assert "[2@algo=" in error.message  # names the plan

@@ -4,9 +4,9 @@ import pytest
 import tensorflow as tf
 
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS
-from tf_ucudnn.kernels.library import gpu_kernels_available
-from tf_ucudnn.profiling import ProfileDatabase, profiler
+from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, Algorithm
+from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available
+from tf_ucudnn.profiling import ProfileDatabase, ProfileRecord, profiler
 
 GEOMETRY = ConvGeometry(in_channels=8, out_channels=16, input_dims=(12, 12), filter_dims=(3, 3),
                         pads=(1, 1), strides=(1, 1), dilations=(1, 1), dtype="float32",
@@ -26,6 +26,29 @@ def test_without_cudnn_kernels_profiling_says_why():
         pytest.skip("this build has the cuDNN kernels")
     with pytest.raises(profiler.ProfilerUnavailable, match="without its cuDNN kernels"):
         profiler.current_machine()
+    assert not engines_available()
+
+
+def test_measure_refuses_an_unknown_kind_of_candidate():
+    with pytest.raises(ValueError, match="candidates must be one of"):
+        profiler.measure(GEOMETRY, "fwd", [2], profiler.Machine("GPU", 91400), candidates="all")
+
+
+def _record(batch_size, algorithm):
+    algorithm = Algorithm.parse(algorithm)
+    return ProfileRecord("GPU", 91400, GEOMETRY, "fwd", batch_size, algorithm.algo,
+                         algorithm.math, 0.5, 0, engine=algorithm.engine, knobs=algorithm.knobs)
+
+
+def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path):
+    machine = profiler.Machine("GPU", 91400)
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        database.insert([_record(size, "algo=1,math=default") for size in (1, 2, 4)]
+                        + [_record(4, "engine=7,knobs=TILE_SIZE:2")])
+        unmeasured = {kind: profiler.unmeasured_sizes(database, machine, GEOMETRY, "fwd",
+                                                      [1, 2, 4, 8], kind)
+                      for kind in profiler.CANDIDATES}
+    assert unmeasured == {profiler.LEGACY: [8], profiler.ENGINES: [1, 2, 8]}
 
 
 @pytest.fixture
@@ -53,6 +76,58 @@ def test_measures_algorithms_at_each_size(machine, kernel):
         assert record.time_ms > 0 and record.workspace_bytes >= 0
     # cuDNN's Find runs several algorithms for a plain 3x3 convolution.
     assert len({r.algo for r in records if r.batch_size == 8}) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_measures_legacy_algorithms_only_unless_asked(machine, kernel):
+    records = profiler.measure(GEOMETRY, kernel, [4], machine)
+    assert records and all(r.engine is None for r in records)
+
+
+@pytest.fixture
+def engines(machine):
+    if not engines_available():
+        pytest.skip("tf_ucudnn was built without cudnn-frontend")
+    return machine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_measures_engine_configurations_at_each_size(engines, kernel):
+    records = profiler.measure(GEOMETRY, kernel, [8, 3, 1], engines,
+                               candidates=profiler.ENGINES, workspace_limit=64 << 20)
+    assert {r.batch_size for r in records} == {8, 3, 1}
+    for record in records:
+        assert record.engine is not None and record.algo is None and record.math is None
+        assert record.time_ms > 0 and 0 <= record.workspace_bytes <= 64 << 20
+        # The text a plan carries names the same configuration back.
+        assert Algorithm.parse(record.algorithm.to_attr()) == record.algorithm
+    at_eight = [r.algorithm for r in records if r.batch_size == 8]
+    assert len(at_eight) == len(set(at_eight)), "a configuration is listed twice"
+
+
+@pytest.mark.gpu
+def test_engine_configurations_keep_to_the_workspace_limit(engines):
+    records = profiler.measure(GEOMETRY, "bwd_filter", [8], engines,
+                               candidates=profiler.ENGINES, workspace_limit=0)
+    assert all(r.workspace_bytes == 0 for r in records)
+
+
+@pytest.mark.gpu
+def test_profile_adds_engine_timings_to_a_database_of_legacy_ones(engines, tmp_path):
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        assert profiler.profile([(GEOMETRY, "test.conv")], 4, database, progress=False,
+                                engines=False) > 0
+        legacy = len(database)
+        assert profiler.profile([(GEOMETRY, "test.conv")], 4, database, progress=False) > 0
+        for kernel in KERNELS:
+            table = database.timings(engines.device, engines.cudnn_version, GEOMETRY, kernel)
+            for size in (1, 2, 4):
+                kinds = {t.algorithm.is_engine for t in table[size]}
+                assert kinds == {False, True}, f"{kernel} at {size}: {kinds}"
+        assert len(database) > legacy
+        assert profiler.profile([(GEOMETRY, "test.conv")], 4, database, progress=False) == 0
 
 
 @pytest.mark.gpu

@@ -43,3 +43,12 @@ def gpu_kernels_available() -> bool:
     load_ops()
     registered = kernels.get_registered_kernels_for_op("UcudnnConv2D")
     return any(k.device_type == "GPU" for k in registered.kernel)
+
+
+def engines_available() -> bool:
+    """Whether the cuDNN kernels were built with cudnn-frontend, so that plans may run cuDNN's
+    graph-API engine configurations and the profiler may time them."""
+    if not gpu_kernels_available():
+        return False
+    with tf.device("/CPU:0"):
+        return bool(op_library().ucudnn_engines_available())

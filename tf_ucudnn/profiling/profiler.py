@@ -1,7 +1,8 @@
 """Measures cuDNN on the GPU: every algorithm of every kernel of each layer at candidate
-micro-batch sizes, through the UcudnnProfileConvolution op (cudnnFind*AlgorithmEx on real
-buffers, with the math TensorFlow uses for the dtype). Results go to a ProfileDatabase, so each
-geometry is measured once per machine and cuDNN version.
+micro-batch sizes, through the UcudnnProfileConvolution op on real buffers: the legacy algorithms
+(cudnnFind*AlgorithmEx, with the math TensorFlow uses for the dtype) and, where asked, the
+graph-API engine configurations cuDNN's heuristics offer (each run between CUDA events). Results
+go to a ProfileDatabase, so each geometry is measured once per machine and cuDNN version.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from tqdm.auto import tqdm
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import KERNELS, MATH_TYPES
-from tf_ucudnn.kernels.library import gpu_kernels_available, op_library
+from tf_ucudnn.core.plan import KERNELS, Algorithm
+from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
 from tf_ucudnn.profiling.records import POWER_OF_TWO, ProfileRecord, micro_batch_sizes
 
 # What the shared profiles were measured with; cudnnFind tries no more than this.
 DEFAULT_WORKSPACE_LIMIT = 4 << 30
+
+# What the op times: the legacy algorithm enums, or the graph-API engine configurations.
+LEGACY = "legacy"
+ENGINES = "engines"
+CANDIDATES = (LEGACY, ENGINES)
 
 
 class ProfilerUnavailable(TfUcudnnError, RuntimeError):
@@ -76,10 +82,13 @@ def _op_attrs(geometry: ConvGeometry) -> dict:
 
 def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: Machine,
             workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, device: str = "/GPU:0",
-            layer: Optional[str] = None) -> list[ProfileRecord]:
-    """Times every algorithm of one kernel at each micro-batch size, on random data."""
+            layer: Optional[str] = None, candidates: str = LEGACY) -> list[ProfileRecord]:
+    """Times every candidate of one kernel at each micro-batch size, on random data:
+    `candidates` LEGACY (the algorithm enums) or ENGINES (the engine configurations)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if candidates not in CANDIDATES:
+        raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
     batch = max(sizes)
     dtype = tf.as_dtype(geometry.dtype)
     with tf.device(device):
@@ -89,36 +98,57 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
         w = random([*geometry.filter_dims, geometry.filter_in_channels, geometry.out_channels],
                    2)
         dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
-        rows = op_library().ucudnn_profile_convolution(
+        rows, texts = op_library().ucudnn_profile_convolution(
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
-            **_op_attrs(geometry)).numpy()
-    return [ProfileRecord(device=machine.device, cudnn_version=machine.cudnn_version,
-                          geometry=geometry, kernel=kernel, batch_size=int(size), algo=int(algo),
-                          math=MATH_TYPES[int(math)], time_ms=float(time_ms),
-                          workspace_bytes=int(workspace), layer=layer)
-            for size, algo, math, time_ms, workspace, _ in rows]
+            candidates=candidates, **_op_attrs(geometry))
+    records = []
+    for (size, time_ms, workspace, _), text in zip(rows.numpy(), texts.numpy()):
+        algorithm = Algorithm.parse(text.decode())
+        records.append(ProfileRecord(
+            device=machine.device, cudnn_version=machine.cudnn_version, geometry=geometry,
+            kernel=kernel, batch_size=int(size), algo=algorithm.algo, math=algorithm.math,
+            time_ms=float(time_ms), workspace_bytes=int(workspace), layer=layer,
+            engine=algorithm.engine, knobs=algorithm.knobs))
+    return records
+
+
+def unmeasured_sizes(database: ProfileDatabase, machine: Machine, geometry: ConvGeometry,
+                      kernel: str, sizes: Sequence[int], candidates: str) -> list[int]:
+    """The sizes at which the database has no measurement of that kind of candidate."""
+    known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
+    wanted_engine = candidates == ENGINES
+    return [s for s in sizes
+            if not any(t.algorithm.is_engine == wanted_engine for t in known.get(s, ()))]
 
 
 def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
             database: ProfileDatabase, policy: str = POWER_OF_TWO,
             kernels: Sequence[str] = KERNELS, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
-            device: str = "/GPU:0", progress: bool = True) -> int:
+            device: str = "/GPU:0", progress: bool = True,
+            engines: Optional[bool] = None) -> int:
     """Measures what the database lacks for (geometry, label) pairs; returns records added.
 
-    A kernel counts as measured when the database has every candidate size for it.
+    A kernel counts as measured when the database has every candidate size for it: legacy
+    algorithms always, and with `engines` (by default: where the op library was built with
+    cudnn-frontend) engine configurations too, each kind measured apart, so a database of legacy
+    timings only gains the engines'.
     """
     machine = current_machine(device)
+    if engines is None:
+        engines = engines_available()
     sizes = micro_batch_sizes(batch_size, policy)
+    kinds = (LEGACY, ENGINES) if engines else (LEGACY,)
     todo = []
     for geometry, label in geometries:
         for kernel in kernels:
-            known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
-            missing = [s for s in sizes if s not in known]
-            if missing:
-                todo.append((geometry, label, kernel, missing))
+            for candidates in kinds:
+                missing = unmeasured_sizes(database, machine, geometry, kernel, sizes,
+                                           candidates)
+                if missing:
+                    todo.append((geometry, label, kernel, missing, candidates))
     added = 0
-    for geometry, label, kernel, missing in tqdm(todo, desc="profiling cuDNN", unit="kernel",
-                                                 disable=not progress):
+    for geometry, label, kernel, missing, candidates in tqdm(
+            todo, desc="profiling cuDNN", unit="kernel", disable=not progress):
         added += database.insert(measure(geometry, kernel, missing, machine, workspace_limit,
-                                         device, label))
+                                         device, label, candidates))
     return added
