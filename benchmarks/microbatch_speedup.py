@@ -1,12 +1,14 @@
 """μ-cuDNN's per-kernel result, measured through tf_ucudnn's ops on this GPU.
 
-For each model: profile every distinct convolution geometry (all algorithms, power-of-two
-micro-batch sizes), then for each workspace limit plan every kernel two ways, both within the limit:
-the best undivided algorithm, and the dynamic program's micro-batched plan. Both plans run through
-the ops, side by side in this one process, and so does TensorFlow's own convolution (its autotuner,
-its default workspace limit) as the plain-TensorFlow reference.
+For each model: profile every distinct convolution geometry (all legacy algorithms and, where the
+op library was built with cudnn-frontend, all engine configurations, at power-of-two micro-batch
+sizes), then for each workspace limit plan every kernel two ways, both within the limit: the best
+undivided candidate, and the dynamic program's micro-batched plan. Both plans run through the ops,
+side by side in this one process, and so does TensorFlow's own op for the layer (Conv2D, or
+DepthwiseConv2dNative for depthwise layers; its autotuner, its default workspace limit) as the
+plain-TensorFlow reference.
 
-    python benchmarks/microbatch_speedup.py --models alexnet resnet50 --batch 256 \
+    python benchmarks/microbatch_speedup.py --models alexnet resnet50 mobilenet_v2 --batch 256 \
         --limits-mib 8 64 512 --out benchmarks/results/microbatch_speedup_h100.json
 """
 
@@ -23,8 +25,9 @@ import tensorflow as tf
 import tf_ucudnn
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
-from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model, unique_geometries
+from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
 from tf_ucudnn.keras import models
+from tf_ucudnn.kernels.library import engines_available
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine, profile
 
@@ -37,8 +40,9 @@ def _output_dims(g):
                                         g.dilations)]
 
 
-def _tensors(g, batch):
-    """Random input, filter and output gradient for a geometry (its own layout)."""
+def _tensors(g, batch, seed):
+    """Random input, filter (as tf_ucudnn's ops take it: [spatial..., in / groups, out]) and
+    output gradient for a geometry (its own layout)."""
     channels_last = g.layout.endswith("C")
 
     def full(channels, spatial):
@@ -46,9 +50,9 @@ def _tensors(g, batch):
 
     dtype = tf.as_dtype(g.dtype)
     normal = lambda shape, seed: tf.cast(tf.random.stateless_normal(shape, [seed, 0]), dtype)
-    return (normal(full(g.in_channels, g.input_dims), 1),
-            normal([*g.filter_dims, g.in_channels, g.out_channels], 2),
-            normal(full(g.out_channels, _output_dims(g)), 3))
+    return (normal(full(g.in_channels, g.input_dims), 3 * seed + 1),
+            normal([*g.filter_dims, g.filter_in_channels, g.out_channels], 3 * seed + 2),
+            normal(full(g.out_channels, _output_dims(g)), 3 * seed + 3))
 
 
 def _attrs(g):
@@ -60,58 +64,87 @@ def _attrs(g):
                 padding=[[0, 0], [0, 0], *pads], data_format=g.layout)
 
 
-def _runner(g, kernel, x, w, dy, plan):
-    """A zero-argument call of one kernel: tf_ucudnn's op with `plan`, or TensorFlow's if None."""
+def _tensorflow_runner(g, kernel, depthwise):
+    """TensorFlow's own op for the kernel as a function of (x, w, dy): Conv2D's, or for a
+    depthwise layer DepthwiseConv2dNative's (filter [kh, kw, C, M], the grouped filter's channels
+    c*M+m)."""
     a = _attrs(g)
-    if plan is None:
-        explicit = [v for pair in a["padding"] for v in pair]
-        common = dict(strides=a["strides"], dilations=a["dilations"], padding="EXPLICIT",
-                      explicit_paddings=explicit, data_format=a["data_format"])
+    explicit = [v for pair in a["padding"] for v in pair]
+    common = dict(strides=a["strides"], dilations=a["dilations"], padding="EXPLICIT",
+                  explicit_paddings=explicit, data_format=a["data_format"])
+    if depthwise:
+        shape = [*g.filter_dims, g.in_channels, g.out_channels // g.in_channels]
         if kernel == FORWARD:
-            return lambda: tf.raw_ops.Conv2D(input=x, filter=w, **common)
+            return lambda x, w, dy: tf.raw_ops.DepthwiseConv2dNative(
+                input=x, filter=tf.reshape(w, shape), **common)
         if kernel == BACKPROP_INPUT:
-            return lambda: tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w,
-                                                          out_backprop=dy, **common)
-        return lambda: tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=tf.shape(w),
-                                                       out_backprop=dy, **common)
+            return lambda x, w, dy: tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+                input_sizes=tf.shape(x), filter=tf.reshape(w, shape), out_backprop=dy, **common)
+        return lambda x, w, dy: tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+            input=x, filter_sizes=shape, out_backprop=dy, **common)
     if kernel == FORWARD:
-        return lambda: tf_ucudnn.conv2d(x, w, plan=plan, **a)
+        return lambda x, w, dy: tf.raw_ops.Conv2D(input=x, filter=w, **common)
     if kernel == BACKPROP_INPUT:
-        return lambda: tf_ucudnn.conv2d_backprop_input(tf.shape(x), w, dy, plan=plan, **a)
-    return lambda: tf_ucudnn.conv2d_backprop_filter(x, tf.shape(w), dy, plan=plan, **a)
+        return lambda x, w, dy: tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.shape(x), filter=w, out_backprop=dy, **common)
+    return lambda x, w, dy: tf.raw_ops.Conv2DBackpropFilter(
+        input=x, filter_sizes=tf.shape(w), out_backprop=dy, **common)
 
 
-def _time_ms(run, repeats: int, calls: int) -> float:
-    """Median over `repeats` of the mean time of `calls` back-to-back calls, GPU-synchronized."""
-    def wait(result):  # one element back to the host: waits for the GPU, copies nothing big
-        tf.reshape(result, [-1])[0].numpy()
+def _runner(g, kernel, plan):
+    """One kernel through tf_ucudnn's op with `plan`, as a function of (x, w, dy)."""
+    a = _attrs(g)
+    if kernel == FORWARD:
+        return lambda x, w, dy: tf_ucudnn.conv2d(x, w, plan=plan, **a)
+    if kernel == BACKPROP_INPUT:
+        return lambda x, w, dy: tf_ucudnn.conv2d_backprop_input(tf.shape(x), w, dy, plan=plan,
+                                                                **a)
+    return lambda x, w, dy: tf_ucudnn.conv2d_backprop_filter(x, tf.shape(w), dy, plan=plan, **a)
 
-    wait(run())  # warm-up: autotuning, allocations
+
+def _time_ms(run, operands, repeats: int) -> float:
+    """Median over `repeats` of the mean time of one call of `run` per operand set, all in one
+    tf.function as a training step runs its ops: no Python between them, and the GPU
+    synchronized at the end. Each call has operands of its own, so that no graph optimization
+    merges the calls into one."""
+    @tf.function
+    def calls_in_a_graph(operands):
+        # One element of each result, summed: the function waits for every call.
+        return tf.add_n([tf.reshape(run(*tensors), [-1])[0] for tensors in operands])
+
+    # Operands are arguments, not captures, so that no traced function holds them afterwards.
+    calls_in_a_graph(operands).numpy()  # tracing, warm-up: autotuning, allocations
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(calls):
-            result = run()
-        wait(result)
-        samples.append((time.perf_counter() - start) * 1e3 / calls)
+        calls_in_a_graph(operands).numpy()
+        samples.append((time.perf_counter() - start) * 1e3 / len(operands))
     return statistics.median(samples)
 
 
 def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
-                    call_overhead_ms):
+                    call_overhead_ms, engines):
     model = models.load_model(name, "channels_first")
     layers, skipped = find_conv_layers(trace_model(model, batch))
     geometries = unique_geometries(layers)
-    profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database)
+    depthwise = {layer.name for layer in layers if layer.op_type == DEPTHWISE}
+    profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database,
+            engines=engines)
     rows = []
     with tf.device("/GPU:0"):
         for g, names in geometries.items():
-            x, w, dy = _tensors(g, batch)
+            operands = [_tensors(g, batch, seed) for seed in range(calls)]
+            # TensorFlow runs a depthwise layer with its own op, whatever its geometry.
+            tensorflow_op = DEPTHWISE if names[0] in depthwise else "Conv2D"
             for kernel in KERNELS:
                 timings = database.timings(machine.device, machine.cudnn_version, g, kernel)
+                if not engines:
+                    timings = {size: [t for t in measured if not t.algorithm.is_engine]
+                               for size, measured in timings.items()}
+                reference = _tensorflow_runner(g, kernel, tensorflow_op == DEPTHWISE)
                 row = {"geometry": str(g), "layers": names, "kernel": kernel,
-                       "tensorflow_ms": _time_ms(_runner(g, kernel, x, w, dy, None), repeats,
-                                                 calls),
+                       "tensorflow_op": tensorflow_op,
+                       "tensorflow_ms": _time_ms(reference, operands, repeats),
                        "limits": {}}
                 for limit in limits_mib:
                     entry = {}
@@ -127,8 +160,8 @@ def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
                             "plan": config.plan.to_json(),
                             "predicted_ms": config.time_ms,
                             "workspace_bytes": config.workspace_bytes,
-                            "measured_ms": _time_ms(_runner(g, kernel, x, w, dy, config.plan),
-                                                    repeats, calls),
+                            "measured_ms": _time_ms(_runner(g, kernel, config.plan), operands,
+                                                    repeats),
                         }
                     row["limits"][str(limit)] = entry
                 rows.append(row)
@@ -164,29 +197,39 @@ def _totals(rows, limits_mib):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["alexnet", "resnet50"])
+    parser.add_argument("--models", nargs="+", default=["alexnet", "resnet50", "mobilenet_v2"])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--limits-mib", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--call-overhead-ms", type=float, default=0.0,
                         help="host time per micro-batch added to cuDNN's timings when planning")
+    parser.add_argument("--legacy-only", action="store_true",
+                        help="plan with cuDNN's legacy algorithms alone, not its engine "
+                             "configurations")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    # Each op runs in the layout it is given: Grappler would transpose TensorFlow's NCHW ops
+    # inside the timed functions (it does not know tf_ucudnn's).
+    tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     machine = current_machine()
+    engines = engines_available() and not args.legacy_only
     results = {"benchmark": "microbatch_speedup", "device": machine.device,
                "cudnn_version": machine.cudnn_version, "tensorflow": tf.__version__,
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "host": platform.node(), "dtype": "float32", "layout": "NCHW",
-               "timing": f"median of {args.repeats} x mean of {args.calls} back-to-back calls",
+               "timing": f"median of {args.repeats} x mean of {args.calls} calls (operands of "
+                         "their own) in one tf.function",
                "call_overhead_ms": args.call_overhead_ms,
+               "candidates": "legacy algorithms and engine configurations" if engines
+               else "legacy algorithms",
                "models": []}
     with ProfileDatabase(args.database) as database:
         for name in args.models:
             results["models"].append(benchmark_model(name, args.batch, args.limits_mib, database,
                                                      machine, args.repeats, args.calls,
-                                                     args.call_overhead_ms))
+                                                     args.call_overhead_ms, engines))
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
     for model in results["models"]:
