@@ -62,8 +62,10 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
 // Runs each configuration ListEngineConfigs gives on the handle's stream, on the problem's
 // tensors (`input`, `filter`, `output` as ExecuteEngine takes them; the kernel's result is
 // overwritten) with `workspace` of `workspace_limit` bytes, and times it: one warm-up run, then
-// the median of `repeats` runs, each between two CUDA events. A configuration that fails to run
-// is left out.
+// the median of `repeats` runs, each between two CUDA events. Each runs as PrepareEngine builds
+// it from its engine and knobs, as a plan naming it will run (the heuristics' own build of it
+// may be another configuration), with that build's workspace. A configuration that fails to
+// build or run, or whose build needs more than the limit, is left out.
 absl::Status TimeEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
                                int64_t workspace_limit, void* input, void* filter, void* output,
                                void* workspace, int repeats, std::vector<EngineTiming>* timings);
