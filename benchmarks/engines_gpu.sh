@@ -4,7 +4,8 @@
 # tests of the cuDNN paths first (TESTS, default: engines, profiler, fused op, self-check, ops;
 # set it empty to skip them), then microbatch_speedup.py (MODELS at batch 256, LIMITS MiB per
 # kernel) with legacy algorithms and engine configurations, side by side with TensorFlow's own
-# ops. DATABASE names a profile database to measure into (default: a new one in the run's folder).
+# ops. DATABASE names a profile database to measure into (default: a new one in the run's folder);
+# GPU_TIMES=1 adds each kernel's GPU time from TensorFlow's profiler.
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/engines_gpu.sh start
 #   bash benchmarks/engines_gpu.sh wait SECONDS        (until it says "finished")
@@ -24,7 +25,7 @@ print('engines available:', l.engines_available())"; } > "$run/device.txt" 2>&1
   [ -n "$tests" ] && timeout "${TEST_TIMEOUT_S:-900}" python3 -m pytest $tests -m gpu -q -rs \
     -p no:cacheprovider > "$run/tests.log" 2>&1
   python3 benchmarks/microbatch_speedup.py --models ${MODELS:-alexnet resnet50 mobilenet_v2} \
-    --batch "${BATCH:-256}" --limits-mib ${LIMITS:-64} \
+    --batch "${BATCH:-256}" --limits-mib ${LIMITS:-64} ${GPU_TIMES:+--gpu-times} \
     --database "${DATABASE:-$run/profiles.sqlite}" --out "$run/microbatch_speedup.json" 2>&1 \
     | grep --line-buffered -v "^W0000\|^I0000" > "$run/microbatch_speedup.log"
 }

@@ -15,10 +15,14 @@ plain-TensorFlow reference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
+import shutil
 import statistics
+import tempfile
 import time
+from typing import Optional
 
 import tensorflow as tf
 
@@ -28,7 +32,7 @@ from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
 from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
 from tf_ucudnn.keras import models
 from tf_ucudnn.kernels.library import engines_available
-from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling import ProfileDatabase, step_trace
 from tf_ucudnn.profiling.profiler import current_machine, profile
 
 MIB = 1 << 20
@@ -102,27 +106,55 @@ def _runner(g, kernel, plan):
     return lambda x, w, dy: tf_ucudnn.conv2d_backprop_filter(x, tf.shape(w), dy, plan=plan, **a)
 
 
-def _time_ms(run, operands, repeats: int) -> float:
-    """Median over `repeats` of the mean time of one call of `run` per operand set, all in one
-    tf.function as a training step runs its ops: no Python between them, and the GPU
-    synchronized at the end. Each call has operands of its own, so that no graph optimization
-    merges the calls into one."""
-    @tf.function
-    def calls_in_a_graph(operands):
-        # One element of each result, summed: the function waits for every call.
-        return tf.add_n([tf.reshape(run(*tensors), [-1])[0] for tensors in operands])
-
-    # Operands are arguments, not captures, so that no traced function holds them afterwards.
-    calls_in_a_graph(operands).numpy()  # tracing, warm-up: autotuning, allocations
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        calls_in_a_graph(operands).numpy()
-        samples.append((time.perf_counter() - start) * 1e3 / len(operands))
-    return statistics.median(samples)
+# The timed function's own ops (each call's first element, summed), which are not the kernel's.
+HARNESS_OP_TYPES = frozenset({"AddN", "Reshape", "Shape", "StridedSlice"})
 
 
-def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How each kernel is timed: one call per operand set, all in one tf.function as a training
+    step runs its ops (no Python between them), the GPU synchronized at the end; the median of
+    `repeats` runs. Each call has operands of its own, so that no graph optimization merges the
+    calls into one. With `gpu_trace_dir`, one more run under TensorFlow's profiler gives the
+    GPU's own time: the kernels and copies the calls launched, each tagged with its op."""
+
+    repeats: int
+    gpu_trace_dir: Optional[str] = None
+
+    def measure(self, run, operands) -> dict:
+        """{"ms": mean wall time per call} and, with a trace directory, "gpu_ms"."""
+        @tf.function
+        def calls_in_a_graph(operands):
+            # One element of each result, summed: the function waits for every call.
+            return tf.add_n([tf.reshape(run(*tensors), [-1])[0] for tensors in operands])
+
+        # Operands are arguments, not captures, so that no traced function holds them after.
+        calls_in_a_graph(operands).numpy()  # tracing, warm-up: autotuning, allocations
+        samples = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            calls_in_a_graph(operands).numpy()
+            samples.append((time.perf_counter() - start) * 1e3 / len(operands))
+        result = {"ms": statistics.median(samples)}
+        if self.gpu_trace_dir:
+            result["gpu_ms"] = self._gpu_ms(calls_in_a_graph, operands)
+        return result
+
+    def _gpu_ms(self, calls_in_a_graph, operands) -> float:
+        shutil.rmtree(self.gpu_trace_dir, ignore_errors=True)
+        tf.profiler.experimental.start(self.gpu_trace_dir,
+                                       options=tf.profiler.experimental.ProfilerOptions(
+                                           host_tracer_level=1, device_tracer_level=1))
+        try:
+            calls_in_a_graph(operands).numpy()
+        finally:
+            tf.profiler.experimental.stop()
+        events = step_trace.gpu_events(step_trace.read_profile(self.gpu_trace_dir))
+        return sum(event.end_ms - event.start_ms for event in events
+                   if event.op_type not in HARNESS_OP_TYPES) / len(operands)
+
+
+def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                     call_overhead_ms, engines):
     model = models.load_model(name, "channels_first")
     layers, skipped = find_conv_layers(trace_model(model, batch))
@@ -141,10 +173,11 @@ def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
                 if not engines:
                     timings = {size: [t for t in measured if not t.algorithm.is_engine]
                                for size, measured in timings.items()}
-                reference = _tensorflow_runner(g, kernel, tensorflow_op == DEPTHWISE)
+                reference = timing.measure(
+                    _tensorflow_runner(g, kernel, tensorflow_op == DEPTHWISE), operands)
                 row = {"geometry": str(g), "layers": names, "kernel": kernel,
                        "tensorflow_op": tensorflow_op,
-                       "tensorflow_ms": _time_ms(reference, operands, repeats),
+                       **{f"tensorflow_{key}": value for key, value in reference.items()},
                        "limits": {}}
                 for limit in limits_mib:
                     entry = {}
@@ -156,12 +189,12 @@ def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
                         except NoFeasiblePlanError as error:
                             entry[label] = {"error": str(error)}
                             continue
+                        measured = timing.measure(_runner(g, kernel, config.plan), operands)
                         entry[label] = {
                             "plan": config.plan.to_json(),
                             "predicted_ms": config.time_ms,
                             "workspace_bytes": config.workspace_bytes,
-                            "measured_ms": _time_ms(_runner(g, kernel, config.plan), operands,
-                                                    repeats),
+                            **{f"measured_{key}": value for key, value in measured.items()},
                         }
                     row["limits"][str(limit)] = entry
                 rows.append(row)
@@ -176,7 +209,8 @@ def benchmark_model(name, batch, limits_mib, database, machine, repeats, calls,
 
 def _totals(rows, limits_mib):
     """Whole-network sums (each geometry counted once per layer using it)."""
-    totals = {"tensorflow_ms": sum(len(r["layers"]) * r["tensorflow_ms"] for r in rows)}
+    totals = {key: sum(len(r["layers"]) * r[key] for r in rows)
+              for key in ("tensorflow_ms", "tensorflow_gpu_ms") if key in rows[0]}
     for limit in limits_mib:
         entry = {}
         for label in ("undivided", "micro_batched"):
@@ -185,7 +219,8 @@ def _totals(rows, limits_mib):
                 entry[label] = None
                 continue
             entry[label] = {key: sum(n * run[key] for n, run in runs)
-                            for key in ("predicted_ms", "measured_ms")}
+                            for key in ("predicted_ms", "measured_ms", "measured_gpu_ms")
+                            if key in runs[0][1]}
         if entry["undivided"] and entry["micro_batched"]:
             entry["measured_speedup"] = (entry["undivided"]["measured_ms"]
                                          / entry["micro_batched"]["measured_ms"])
@@ -205,6 +240,9 @@ def main():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--call-overhead-ms", type=float, default=0.0,
                         help="host time per micro-batch added to cuDNN's timings when planning")
+    parser.add_argument("--gpu-times", action="store_true",
+                        help="also the GPU's own time of each kernel, from one run under "
+                             "TensorFlow's profiler (the kernels and copies each op launched)")
     parser.add_argument("--legacy-only", action="store_true",
                         help="plan with cuDNN's legacy algorithms alone, not its engine "
                              "configurations")
@@ -220,28 +258,37 @@ def main():
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "host": platform.node(), "dtype": "float32", "layout": "NCHW",
                "timing": f"median of {args.repeats} x mean of {args.calls} calls (operands of "
-                         "their own) in one tf.function",
+                         "their own) in one tf.function" + ("; gpu_ms: the kernels and copies "
+                                                           "of one profiled run"
+                                                           if args.gpu_times else ""),
                "call_overhead_ms": args.call_overhead_ms,
                "candidates": "legacy algorithms and engine configurations" if engines
                else "legacy algorithms",
                "models": []}
+    timing = Timing(args.repeats, tempfile.mkdtemp(prefix="microbatch_speedup_trace_")
+                    if args.gpu_times else None)
     with ProfileDatabase(args.database) as database:
         for name in args.models:
             results["models"].append(benchmark_model(name, args.batch, args.limits_mib, database,
-                                                     machine, args.repeats, args.calls,
+                                                     machine, timing, args.calls,
                                                      args.call_overhead_ms, engines))
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
     for model in results["models"]:
+        totals = model["totals"]
+        gpu = (f", {totals['tensorflow_gpu_ms']:.1f} ms on the GPU"
+               if "tensorflow_gpu_ms" in totals else "")
         print(f"\n{model['model']} batch {model['batch']}: {model['conv_layers']} convolutions, "
-              f"TensorFlow's own kernels {model['totals']['tensorflow_ms']:.1f} ms (fwd+bwd)")
+              f"TensorFlow's own kernels {totals['tensorflow_ms']:.1f} ms (fwd+bwd){gpu}")
         for limit in args.limits_mib:
             entry = model["totals"][f"{limit}MiB"]
             if entry.get("measured_speedup") is None:
                 print(f"  {limit:4d} MiB: some kernel has no plan within the limit")
                 continue
+            gpu = (f", {entry['micro_batched']['measured_gpu_ms']:.1f} ms on the GPU"
+                   if "measured_gpu_ms" in entry["micro_batched"] else "")
             print(f"  {limit:4d} MiB: undivided {entry['undivided']['measured_ms']:8.1f} ms, "
-                  f"micro-batched {entry['micro_batched']['measured_ms']:8.1f} ms -> "
+                  f"micro-batched {entry['micro_batched']['measured_ms']:8.1f} ms{gpu} -> "
                   f"{entry['measured_speedup']:.2f}x measured "
                   f"({entry['predicted_speedup']:.2f}x predicted)")
 
