@@ -13,6 +13,10 @@ if [ -z "${TF_UCUDNN_GPU_ENV:-}" ] && [ -f /tmp/tfstage/tools/tf-gpu-env.sh ]; t
   . /tmp/tfstage/tools/tf-gpu-env.sh && export TF_UCUDNN_GPU_ENV=1
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# A library built elsewhere for this machine (.ci/gpu-library-here), carried in .dev/.
+if [ -f .dev/_ucudnn_ops.so ] && [ -z "${TF_UCUDNN_REBUILD:-}" ]; then
+  cp .dev/_ucudnn_ops.so tf_ucudnn/_ucudnn_ops.so
+fi
 if ! ls tf_ucudnn/_ucudnn_ops*.so >/dev/null 2>&1 || [ -n "${TF_UCUDNN_REBUILD:-}" ]; then
   TF_UCUDNN_CUDA_ARCHS=${TF_UCUDNN_CUDA_ARCHS:-90} python3 setup.py -q build_ext --inplace 2>&1 \
     | tee "$out/build.log"
