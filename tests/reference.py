@@ -346,7 +346,7 @@ def safe_algorithms(kernel: str, cfg: Optional[Conv] = None) -> tuple:
     """
     if cfg is None:
         return SAFE_ALGORITHMS[kernel]
-    if cfg.groups > 1:  # grouped convolutions, not yet run on a GPU: cuDNN's own choice only
+    if cfg.groups > 1:  # which explicit algorithms cuDNN runs for groups is not surveyed
         return ("auto",)
     if cfg.channels_last and cfg.nd == 3:
         return ("auto",)
