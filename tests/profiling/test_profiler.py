@@ -45,8 +45,8 @@ def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path
     with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
         database.insert([_record(size, "algo=1,math=default") for size in (1, 2, 4)]
                         + [_record(4, "engine=7,knobs=TILE_SIZE:2")])
-        unmeasured = {kind: profiler.unmeasured_sizes(database, machine, GEOMETRY, "fwd",
-                                                      [1, 2, 4, 8], kind)
+        table = database.timings(machine.device, machine.cudnn_version, GEOMETRY, "fwd")
+        unmeasured = {kind: profiler.unmeasured_sizes(table, [1, 2, 4, 8], kind)
                       for kind in profiler.CANDIDATES}
     assert unmeasured == {profiler.LEGACY: [8], profiler.ENGINES: [1, 2, 8]}
 

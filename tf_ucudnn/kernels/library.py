@@ -45,9 +45,11 @@ def gpu_kernels_available() -> bool:
     return any(k.device_type == "GPU" for k in registered.kernel)
 
 
+@functools.cache
 def engines_available() -> bool:
     """Whether the cuDNN kernels were built with cudnn-frontend, so that plans may run cuDNN's
-    graph-API engine configurations and the profiler may time them."""
+    graph-API engine configurations and the profiler may time them. Asked once per process (the
+    library is loaded once), not for every layer the profiler measures."""
     if not gpu_kernels_available():
         return False
     with tf.device("/CPU:0"):

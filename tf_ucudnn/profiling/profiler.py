@@ -18,7 +18,12 @@ from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import KERNELS, Algorithm
 from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
-from tf_ucudnn.profiling.records import POWER_OF_TWO, ProfileRecord, micro_batch_sizes
+from tf_ucudnn.profiling.records import (
+    POWER_OF_TWO,
+    KernelTimings,
+    ProfileRecord,
+    micro_batch_sizes,
+)
 
 # What the shared profiles were measured with; cudnnFind tries no more than this.
 DEFAULT_WORKSPACE_LIMIT = 4 << 30
@@ -112,13 +117,11 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
     return records
 
 
-def unmeasured_sizes(database: ProfileDatabase, machine: Machine, geometry: ConvGeometry,
-                      kernel: str, sizes: Sequence[int], candidates: str) -> list[int]:
-    """The sizes at which the database has no measurement of that kind of candidate."""
-    known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
+def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: str) -> list[int]:
+    """The sizes at which a kernel's timing table has no measurement of that kind of candidate."""
     wanted_engine = candidates == ENGINES
     return [s for s in sizes
-            if not any(t.algorithm.is_engine == wanted_engine for t in known.get(s, ()))]
+            if not any(t.algorithm.is_engine == wanted_engine for t in timings.get(s, ()))]
 
 
 def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
@@ -141,9 +144,9 @@ def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
     todo = []
     for geometry, label in geometries:
         for kernel in kernels:
+            known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
             for candidates in kinds:
-                missing = unmeasured_sizes(database, machine, geometry, kernel, sizes,
-                                           candidates)
+                missing = unmeasured_sizes(known, sizes, candidates)
                 if missing:
                     todo.append((geometry, label, kernel, missing, candidates))
     added = 0
