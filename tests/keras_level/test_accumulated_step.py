@@ -187,6 +187,46 @@ def test_the_plan_takes_the_largest_micro_batch_the_liveness_analysis_fits():
         plan_accumulation(model, 64, whole.persistent_bytes, trace)
 
 
+def test_xla_buffers_over_the_budget_ask_for_smaller_micro_batches():
+    from tf_ucudnn.memory.analysis.liveness import analyze
+
+    model = _compiled(_per_sample_model())
+    trace = _traced_at(model)
+    whole = analyze(trace(64))
+    budget = whole.peak_bytes + whole.persistent_bytes  # the liveness analysis fits 64
+    per_sample = budget // 20
+    asked = []
+
+    def compiled_peak(size):  # XLA holding more than the analysis says: 15 samples fit
+        asked.append(size)
+        return budget // 4 + per_sample * size
+    plan = plan_accumulation(model, 64, budget, trace, compiled_peak=compiled_peak)
+    # Each size scaled by the budget over XLA's peak, to the next that divides the batch:
+    # 64 at 3.45x the budget -> 18 -> 16; 16 at 1.05x -> 15 -> 8.
+    assert asked == [64, 16, 8]
+    assert plan.micro_batch_size == 8
+    assert plan.compiled_peak_bytes == compiled_peak(plan.micro_batch_size) <= budget
+    assert plan.passed_over[0].startswith("micro-batches of 64: predicted")
+    assert "XLA's buffers" in plan.passed_over[0] and "XLA's buffers" in plan.to_text()
+    with pytest.raises(AccumulationError, match="one sample at a time .* in XLA's buffers"):
+        plan_accumulation(model, 64, budget, trace, compiled_peak=lambda size: budget + 1)
+
+
+def test_the_compiled_peak_is_xla_own_for_a_model_xla_compiles():
+    from tf_ucudnn.keras.accumulated_step import compiled_step_peak
+
+    specs = (tf.TensorSpec([32, 10, 10, 3]), tf.TensorSpec([32], tf.int32))
+    assert compiled_step_peak(_compiled(_per_sample_model()), specs) is None  # no XLA
+    model = _compiled(_per_sample_model(), jit_compile=True)
+    peak = compiled_step_peak(model, specs)
+    weights = sum(w.numpy().nbytes for w in model.weights)
+    batch = 32 * 10 * 10 * 3 * 4 + 32 * 4
+    # The variables and the batch are held beside the step; the activations grow with the
+    # micro-batch, and micro-batches add the gradients' sums.
+    assert peak(32) > weights + batch
+    assert peak(4) < peak(16) < peak(32)
+
+
 def test_a_measured_peak_over_the_budget_asks_for_smaller_micro_batches():
     plan = AccumulationPlan(batch=96, micro_batch_size=48, budget_bytes=1000,
                             predicted_peak_bytes=900)

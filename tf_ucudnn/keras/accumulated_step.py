@@ -7,8 +7,10 @@ a loss averaged over the batch, the summed gradient is the whole batch's and the
 each sample once, while the device holds one micro-batch's activations. Under XLA the
 micro-batches are one loop in one compiled step, so the step keeps XLA's speed at a batch that
 does not fit whole. The micro-batch size is the largest whose step the liveness analysis
-predicts under the budget; a GPU's measured peak can then ask for a smaller one
-(`smaller_after_measuring`), as XLA's buffers are not TensorFlow's.
+predicts under the budget and, for a model Keras compiles with XLA, whose compiled step XLA's own
+buffer assignment puts under it too (`compiled_peak`): XLA's buffers are not TensorFlow's, and an
+XLA step over the memory aborts the process under TensorFlow's default allocator. A GPU's
+measured peak can still ask for a smaller one (`smaller_after_measuring`).
 
 A model with batch normalization gets a different update in micro-batches, so it is refused,
 unless the user asks for each micro-batch to be normalized by its own statistics
@@ -29,6 +31,7 @@ import tensorflow as tf
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.keras.microbatched_prefix import batch_dependent_layers
+from tf_ucudnn.memory.analysis.compiled_buffers import compiled_buffers
 from tf_ucudnn.memory.analysis.liveness import analyze
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
@@ -96,14 +99,15 @@ def micro_batch_count(batch: int, largest: int) -> int:
 @dataclasses.dataclass
 class AccumulationPlan:
     """A step of `batch` samples in micro-batches of `micro_batch_size`, its peak predicted by
-    the liveness analysis (and measured, once a step has run on a GPU), and the sizes passed
-    over with why."""
+    the liveness analysis and, for an XLA step, by XLA's buffer assignment (and measured, once a
+    step has run on a GPU), and the sizes passed over with why."""
 
     batch: int
     micro_batch_size: int
     budget_bytes: int
     predicted_peak_bytes: int
     measured_peak_bytes: Optional[int] = None
+    compiled_peak_bytes: Optional[int] = None  # XLA's buffers for the step, where XLA runs it
     passed_over: list[str] = dataclasses.field(default_factory=list)
     # Layers normalizing by each micro-batch's statistics, not the whole batch's.
     normalized_per_micro_batch: list[str] = dataclasses.field(default_factory=list)
@@ -116,12 +120,14 @@ class AccumulationPlan:
         return dataclasses.asdict(self) | {"micro_batches": self.micro_batches}
 
     def to_text(self) -> str:
+        compiled = ("" if self.compiled_peak_bytes is None else
+                    f", XLA's buffers {format_bytes(self.compiled_peak_bytes)}")
         measured = ("" if self.measured_peak_bytes is None else
                     f", measured {format_bytes(self.measured_peak_bytes)}")
         lines = [f"tf_ucudnn: the step of {self.batch} in {self.micro_batches} micro-batch(es) of "
                  f"{self.micro_batch_size}, gradients summed: peak predicted "
-                 f"{format_bytes(self.predicted_peak_bytes)}{measured} under a budget of "
-                 f"{format_bytes(self.budget_bytes)}"]
+                 f"{format_bytes(self.predicted_peak_bytes)}{compiled}{measured} under a budget "
+                 f"of {format_bytes(self.budget_bytes)}"]
         if self.normalized_per_micro_batch and self.micro_batches > 1:
             names = self.normalized_per_micro_batch
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
@@ -132,11 +138,14 @@ class AccumulationPlan:
 
 def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
                       trace: Callable[[int], object],
-                      batch_norm_statistics: str = "batch") -> AccumulationPlan:
+                      batch_norm_statistics: str = "batch",
+                      compiled_peak: Optional[Callable[[int], int]] = None) -> AccumulationPlan:
     """The largest micro-batch size that divides `batch` and whose step (`trace(size)`, a
     ConcreteFunction of the model's own train step at that batch) the liveness analysis
-    predicts under `budget_bytes` with the gradients' sums beside it. AccumulationError if even
-    one sample does not fit. `batch_norm_statistics` as in `accumulation_refusal`."""
+    predicts under `budget_bytes` with the gradients' sums beside it, and, where given,
+    `compiled_peak(size)` (the whole accumulated step's peak as XLA compiles it) puts under it
+    too. AccumulationError if even one sample does not fit. `batch_norm_statistics` as in
+    `accumulation_refusal`."""
     per_micro_batch = [layer.name for layer in
                        normalized_per_micro_batch(model, batch_norm_statistics)]
     sums = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
@@ -146,21 +155,43 @@ def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
     while True:
         report = analyze(trace(size))
         predicted = report.peak_bytes + report.persistent_bytes + (sums if size < batch else 0)
+        compiled = None
         if predicted <= budget_bytes:
-            return AccumulationPlan(batch, size, budget_bytes, predicted,
-                                    passed_over=passed_over,
-                                    normalized_per_micro_batch=per_micro_batch)
-        passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}")
+            compiled = compiled_peak(size) if compiled_peak is not None else None
+            if compiled is None or compiled <= budget_bytes:
+                return AccumulationPlan(batch, size, budget_bytes, predicted,
+                                        compiled_peak_bytes=compiled, passed_over=passed_over,
+                                        normalized_per_micro_batch=per_micro_batch)
+            passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}, "
+                               f"XLA's buffers {format_bytes(compiled)}")
+            # XLA's buffers scale with the micro-batch; a smaller step is checked again.
+            estimate = int(size * budget_bytes / compiled)
+        else:
+            passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}")
+            # The activations scale with the micro-batch; the variables and the sums do not.
+            fixed = report.persistent_bytes + sums
+            per_sample = max(predicted - fixed, 1) / size
+            estimate = int((budget_bytes - fixed) // per_sample)
         if size == 1:
+            xla = "" if compiled is None else " in XLA's buffers"
             raise AccumulationError(
                 f"{model.name}: even one sample at a time is predicted to need "
-                f"{format_bytes(predicted)}, over the budget of {format_bytes(budget_bytes)}",
-                predicted)
-        # The activations scale with the micro-batch; the variables and the sums do not.
-        fixed = report.persistent_bytes + sums
-        per_sample = max(predicted - fixed, 1) / size
-        estimate = max(int((budget_bytes - fixed) // per_sample), 1)
-        size = batch // micro_batch_count(batch, min(estimate, size - 1))
+                f"{format_bytes(max(predicted, compiled or 0))}{xla}, over the budget of "
+                f"{format_bytes(budget_bytes)}", max(predicted, compiled or 0))
+        size = batch // micro_batch_count(batch, min(max(estimate, 1), size - 1))
+
+
+def compiled_step_peak(model: tf.keras.Model, specs) -> Optional[Callable[[int], int]]:
+    """For a model Keras compiles with XLA (`model.jit_compile`): the peak of its step over a
+    batch of `specs` (TensorSpecs of one batch) in micro-batches of a given size, from XLA's
+    buffer assignment of that step, compiled for the device it will run on. None for a model
+    that runs without XLA."""
+    if not getattr(model, "jit_compile", False):
+        return None
+
+    def peak(size: int) -> int:
+        return compiled_buffers(accumulated_train_step(model, size), specs).peak_bytes
+    return peak
 
 
 def smaller_after_measuring(plan: AccumulationPlan, measured_peak_bytes: int) -> Optional[int]:
@@ -187,7 +218,7 @@ def _smaller(plan: AccumulationPlan, scale: float, why: str) -> int:
                                 f"{format_bytes(plan.budget_bytes)}")
     target = min(int(plan.micro_batch_size * scale), plan.micro_batch_size - 1)
     size = plan.batch // micro_batch_count(plan.batch, max(target, 1))
-    plan.micro_batch_size, plan.measured_peak_bytes = size, None
+    plan.micro_batch_size, plan.measured_peak_bytes, plan.compiled_peak_bytes = size, None, None
     return size
 
 

@@ -19,6 +19,7 @@ from tf_ucudnn.keras.accumulated_step import (
     AccumulationError,
     AccumulationPlan,
     accumulation_refusal,
+    compiled_step_peak,
     plan_accumulation,
 )
 from tf_ucudnn.keras.planned_step import plan_keras_step
@@ -139,14 +140,17 @@ def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceMo
     and its plan if it fits."""
     shape = keras_model.input_shape[1:]
 
+    def specs(size):
+        return tf.TensorSpec([size, *shape]), tf.TensorSpec([size], tf.int32)
+
     def trace(size):
-        return tf.function(keras_model.train_step).get_concrete_function(
-            (tf.TensorSpec([size, *shape]), tf.TensorSpec([size], tf.int32)))
+        return tf.function(keras_model.train_step).get_concrete_function(specs(size))
 
     def trial_for(batch):
         try:
             plan = plan_accumulation(keras_model, batch, budget_bytes, trace,
-                                     batch_norm_statistics)
+                                     batch_norm_statistics,
+                                     compiled_step_peak(keras_model, specs(batch)))
         except AccumulationError as error:
             return BatchTrial(batch, None, None, error.predicted_peak_bytes or 0,
                               str(error)), None
@@ -154,7 +158,9 @@ def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceMo
         micro_ms = (step_ms(size) if step_ms else plan_step_memory(
             trace(size), 1 << 62, model).decisions.prediction.step_ms)
         total_ms = micro_ms * plan.micro_batches
-        return BatchTrial(batch, batch / total_ms * 1e3, total_ms, plan.predicted_peak_bytes,
+        peak = (plan.predicted_peak_bytes if plan.compiled_peak_bytes is None
+                else plan.compiled_peak_bytes)
+        return BatchTrial(batch, batch / total_ms * 1e3, total_ms, peak,
                           micro_batches=plan.micro_batches, accumulated_micro_batch=size), plan
     return trial_for
 

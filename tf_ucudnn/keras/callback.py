@@ -38,6 +38,7 @@ from tf_ucudnn.keras.accumulated_step import (
     AccumulationPlan,
     accumulated_train_step,
     accumulation_refusal,
+    compiled_step_peak,
     check_batch_norm_statistics,
     plan_accumulation,
     train_first_batch,
@@ -120,11 +121,12 @@ class MicroBatchCallback(keras.callbacks.Callback):
         size); one step per call: steps_per_execution must be 1. Where no layer of the model
         mixes samples (no normalization by batch statistics) and the loss is averaged over the
         batch, the whole step runs in micro-batches with their gradients summed, the same
-        update as the whole batch, compiled by XLA as the model says
-        (`tf_ucudnn.keras.accumulated_step`; `accumulation` holds the plan, else
-        `accumulation_refused` says why not). Otherwise the step is traced at the real batch
-        size and trained, without XLA, with the swaps and recomputations `tf_ucudnn.rewrite`
-        plans for it, the planned kernels' workspaces chosen with them
+        update as the whole batch, compiled by XLA as the model says, in the largest
+        micro-batches that the liveness analysis and, under XLA, XLA's own buffer assignment
+        put under the budget (`tf_ucudnn.keras.accumulated_step`; `accumulation` holds the
+        plan, else `accumulation_refused` says why not). Otherwise the step is traced at the
+        real batch size and trained, without XLA, with the swaps and recomputations
+        `tf_ucudnn.rewrite` plans for it, the planned kernels' workspaces chosen with them
         (`report.memory_workspaces`); if no such plan fits, the model's first layers run in
         micro-batches too (`tf_ucudnn.keras.plan_keras_step`). A budget that cannot be met
         stops training with a BudgetError or AccumulationError saying by how much.
@@ -389,7 +391,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 tf.nest.map_structure(resized, specs))
 
         self.accumulation = plan_accumulation(self.model, batch, self.options.memory_budget,
-                                              trace, self.batch_norm_statistics)
+                                              trace, self.batch_norm_statistics,
+                                              compiled_step_peak(self.model, specs))
         self._accumulate(self.accumulation.micro_batch_size)
 
     def _accumulate(self, micro_batch_size: int) -> None:
