@@ -217,7 +217,9 @@ def test_the_compiled_peak_is_xla_own_for_a_model_xla_compiles():
 
     specs = (tf.TensorSpec([32, 10, 10, 3]), tf.TensorSpec([32], tf.int32))
     assert compiled_step_peak(_compiled(_per_sample_model()), specs) is None  # no XLA
-    model = _compiled(_per_sample_model(), jit_compile=True)
+    # Without _SeenBatches, whose int32 counters a GPU keeps in host memory, out of XLA's reach.
+    model = _compiled(keras.Sequential(_per_sample_model().layers[1:]), jit_compile=True)
+    model.build((None, 10, 10, 3))
     peak = compiled_step_peak(model, specs)
     weights = sum(w.numpy().nbytes for w in model.weights)
     batch = 32 * 10 * 10 * 3 * 4 + 32 * 4
@@ -225,6 +227,20 @@ def test_the_compiled_peak_is_xla_own_for_a_model_xla_compiles():
     # micro-batch, and micro-batches add the gradients' sums.
     assert peak(32) > weights + batch
     assert peak(4) < peak(16) < peak(32)
+
+
+def test_a_step_xla_cannot_compile_is_planned_by_the_liveness_analysis_and_says_why():
+    from tf_ucudnn.memory.analysis.compiled_buffers import CompiledBuffersError
+
+    model = _compiled(_per_sample_model())
+    trace = _traced_at(model)
+
+    def unreadable(size):
+        raise CompiledBuffersError("XLA could not compile 'train_step': a resource on the host")
+    plan = plan_accumulation(model, 64, 1 << 40, trace, compiled_peak=unreadable)
+    assert plan.micro_batch_size == 64 and plan.compiled_peak_bytes is None
+    assert plan.compiled_peak_unread.endswith("a resource on the host")
+    assert "XLA's buffers not read: XLA could not compile" in plan.to_text()
 
 
 def test_a_measured_peak_over_the_budget_asks_for_smaller_micro_batches():

@@ -3,6 +3,8 @@ the whole step in micro-batches with the gradients summed, compiled by XLA as th
 trains to the weights of the whole batch; on the graph path, the planned kernels' workspaces
 are chosen with the memory plan."""
 
+from typing import Optional
+
 import keras
 import numpy as np
 import pytest
@@ -79,8 +81,11 @@ def test_micro_batches_under_the_budget_train_to_the_whole_batchs_weights(jit_co
     assert plan.batch == 16 and plan.micro_batches > 1
     assert plan.predicted_peak_bytes <= budget
     assert plan.passed_over[0].startswith("micro-batches of 16: predicted")
-    # Under XLA, XLA's own buffers for the step fit the budget too.
-    assert (plan.compiled_peak_bytes is not None) is jit_compile
+    # Under XLA, XLA's own buffers for the step were read and, for the size kept, fit the
+    # budget (a GPU's measured peak may ask for a smaller size after the first step, unread).
+    xla_read = plan.compiled_peak_bytes is not None or any(
+        "XLA's buffers" in why for why in plan.passed_over)
+    assert xla_read is jit_compile and plan.compiled_peak_unread is None
     assert (plan.compiled_peak_bytes or 0) <= budget
     assert callback.accumulation_refused is None and callback.memory_plan is None
     # XLA stays as the model asked; the convolutions are planned for the micro-batch.
@@ -109,10 +114,11 @@ def test_a_model_normalizing_by_batch_statistics_is_planned_with_swaps_and_recom
     assert model.jit_compile is True  # given back at the end
 
 
-def ghost_batch_norm_fit(micro_batch_size: int):
+def ghost_batch_norm_fit(micro_batch_size: int, first_micro_batch_size: Optional[int] = None):
     """What `fit` does to `normalized_model` when each batch (16, 16, then 8 samples) trains
-    in equal micro-batches of at most `micro_batch_size`, each normalized by its own statistics
-    and moving the moving statistics, the gradients averaged into one SGD update."""
+    in equal micro-batches of at most `micro_batch_size` (the first batch's at most
+    `first_micro_batch_size`, if given), each normalized by its own statistics and moving the
+    moving statistics, the gradients averaged into one SGD update."""
     keras.utils.set_random_seed(1)
     model = normalized_model()
     optimizer = keras.optimizers.SGD(0.1)
@@ -121,7 +127,9 @@ def ghost_batch_norm_fit(micro_batch_size: int):
     x, y = rng.rand(40, 12, 12, 3).astype("float32"), np.arange(40) % 4
     for start in range(0, 40, 16):
         xb, yb = x[start:start + 16], y[start:start + 16]
-        size = max(d for d in range(1, micro_batch_size + 1) if len(xb) % d == 0)
+        largest = first_micro_batch_size if start == 0 and first_micro_batch_size else \
+            micro_batch_size
+        size = max(d for d in range(1, largest + 1) if len(xb) % d == 0)
         count = len(xb) // size
         sums = [tf.zeros_like(w) for w in model.trainable_weights]
         for i in range(count):
@@ -150,7 +158,12 @@ def test_batch_norm_by_micro_batch_statistics_is_asked_for_and_trains_as_ghost_b
     assert plan.normalized_per_micro_batch == ["bn"]
     assert "batch normalization by each micro-batch's statistics: bn" in plan.to_text()
     assert model.jit_compile is jit_compile  # XLA kept
-    expected = ghost_batch_norm_fit(plan.micro_batch_size)
+    # On a GPU, the first step's measured peak may have made the later steps' micro-batches
+    # smaller; the first batch trained in the size the plan passed over.
+    measured = [int(why.split(":")[0].split()[-1]) for why in plan.passed_over
+                if ": measured" in why]
+    expected = ghost_batch_norm_fit(plan.micro_batch_size,
+                                    measured[-1] if measured else None)
     # The moving statistics too: each micro-batch moved them.
     for got, want in zip(model.get_weights(), expected.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.keras.microbatched_prefix import batch_dependent_layers
-from tf_ucudnn.memory.analysis.compiled_buffers import compiled_buffers
+from tf_ucudnn.memory.analysis.compiled_buffers import CompiledBuffersError, compiled_buffers
 from tf_ucudnn.memory.analysis.liveness import analyze
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
@@ -108,6 +108,7 @@ class AccumulationPlan:
     predicted_peak_bytes: int
     measured_peak_bytes: Optional[int] = None
     compiled_peak_bytes: Optional[int] = None  # XLA's buffers for the step, where XLA runs it
+    compiled_peak_unread: Optional[str] = None  # why XLA's buffers could not be read, if so
     passed_over: list[str] = dataclasses.field(default_factory=list)
     # Layers normalizing by each micro-batch's statistics, not the whole batch's.
     normalized_per_micro_batch: list[str] = dataclasses.field(default_factory=list)
@@ -128,6 +129,8 @@ class AccumulationPlan:
                  f"{self.micro_batch_size}, gradients summed: peak predicted "
                  f"{format_bytes(self.predicted_peak_bytes)}{compiled}{measured} under a budget "
                  f"of {format_bytes(self.budget_bytes)}"]
+        if self.compiled_peak_unread:
+            lines.append(f"  XLA's buffers not read: {self.compiled_peak_unread}")
         if self.normalized_per_micro_batch and self.micro_batches > 1:
             names = self.normalized_per_micro_batch
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
@@ -144,23 +147,30 @@ def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
     ConcreteFunction of the model's own train step at that batch) the liveness analysis
     predicts under `budget_bytes` with the gradients' sums beside it, and, where given,
     `compiled_peak(size)` (the whole accumulated step's peak as XLA compiles it) puts under it
-    too. AccumulationError if even one sample does not fit. `batch_norm_statistics` as in
-    `accumulation_refusal`."""
+    too; where XLA cannot give that (CompiledBuffersError), the plan says why. AccumulationError
+    if even one sample does not fit. `batch_norm_statistics` as in `accumulation_refusal`."""
     per_micro_batch = [layer.name for layer in
                        normalized_per_micro_batch(model, batch_norm_statistics)]
     sums = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
                for w in model.trainable_weights)
     passed_over = []
+    unread = None
     size = batch
     while True:
         report = analyze(trace(size))
         predicted = report.peak_bytes + report.persistent_bytes + (sums if size < batch else 0)
         compiled = None
         if predicted <= budget_bytes:
-            compiled = compiled_peak(size) if compiled_peak is not None else None
+            if compiled_peak is not None:
+                try:
+                    compiled = compiled_peak(size)
+                except CompiledBuffersError as error:
+                    # The first step's check is left: out of memory, or a measured peak.
+                    compiled_peak, unread = None, str(error)
             if compiled is None or compiled <= budget_bytes:
                 return AccumulationPlan(batch, size, budget_bytes, predicted,
-                                        compiled_peak_bytes=compiled, passed_over=passed_over,
+                                        compiled_peak_bytes=compiled,
+                                        compiled_peak_unread=unread, passed_over=passed_over,
                                         normalized_per_micro_batch=per_micro_batch)
             passed_over.append(f"micro-batches of {size}: predicted {format_bytes(predicted)}, "
                                f"XLA's buffers {format_bytes(compiled)}")
