@@ -210,11 +210,18 @@ def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
     plain, plain_history = fit(per_sample_model, [], jit_compile=False)
     budget = int(whole_batch_peak(False) * 0.75)
     monkeypatch.setattr(callback_module, "accumulated_train_step", running_out_above_four)
-    callback = MicroBatchCallback(None, memory_budget=budget, verbose=0)
+    planner = HalvingPlanner()
+    callback = MicroBatchCallback(planner=planner, memory_budget=budget, trial_steps=0,
+                                  verbose=0)
     planned, history = fit(per_sample_model, [callback], jit_compile=False)
     plan = callback.accumulation
     assert plan.micro_batch_size == 4
     assert plan.passed_over[-1].startswith("micro-batches of 8: out of memory at 8")
+    # The layers were planned again for the smaller micro-batch (planned for 8 first), so
+    # their plans run rather than TensorFlow's own convolutions.
+    assert planner.batches[:2] == [8, 8] and planner.batches[-2:] == [4, 4]
+    assert [layer.layer.batch_size for layer in callback.report.layers] == [4, 4]
+    assert callback.report.memory is plan
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -319,6 +319,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             planner = leave_alone_because(f"no planner: {error}")
         with opened:
             for patched in self._patched:
+                patched.plan, patched.fronts = None, {}  # planned again: nothing stale kept
                 shape = input_shape(patched)
                 if not shape or not all(shape):
                     report.left_alone.append(LeftAlone(
@@ -361,15 +362,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
             elif self.verbose and self.accumulate_gradients:
                 print(f"tf_ucudnn: the step is not run in micro-batches: "
                       f"{self.accumulation_refused}", flush=True)
-            # Traced, not run: each convolution layer notes its input's shape.
-            tf.function(self.model.train_step).get_concrete_function(specs)
-            self._plan(lambda patched: patched.traced_shape)
-            self._retrace()
+            self._plan_layers_as_traced(specs)
             if self.accumulation is not None:
-                self.report.memory = self.accumulation
                 if self.verbose:
                     print(self.accumulation.to_text(), flush=True)
-                return self._first_accumulated_step(data)
+                return self._first_accumulated_step(data, specs)
             planned_step = self._plan_memory(specs)
         except BaseException:
             self.on_train_end()  # Keras skips it when training stops on an error
@@ -398,14 +395,26 @@ class MicroBatchCallback(keras.callbacks.Callback):
     def _accumulate(self, micro_batch_size: int) -> None:
         self.model.__dict__["train_step"] = accumulated_train_step(self.model, micro_batch_size)
 
-    def _first_accumulated_step(self, data):
-        """Trains the first batch in micro-batches, smaller ones if a GPU says so."""
+    def _plan_layers_as_traced(self, specs) -> None:
+        """Plans the layers at the shapes a trace of the step over `specs` gives them (traced,
+        not run: each convolution layer notes its input's shape), and makes the step again."""
+        for patched in self._patched:
+            switch_convolution(patched.layer, self._recording_op(patched))
+        tf.function(self.model.train_step).get_concrete_function(specs)
+        self._plan(lambda patched: patched.traced_shape)
+        self._retrace()
+        if self.accumulation is not None:
+            self.report.memory = self.accumulation
+
+    def _first_accumulated_step(self, data, specs):
+        """Trains the first batch in micro-batches, smaller ones if a GPU says so, the layers
+        planned again for each smaller micro-batch."""
         def train(batches):
             return self.model.train_function(batches)  # Keras takes any iterable of batches
 
         def smaller(size: int) -> None:
             self._accumulate(size)
-            self._retrace()
+            self._plan_layers_as_traced(specs)
         logs = train_first_batch(self.accumulation, data, train, smaller, self.verbose)
         self._guard_train_function()
         return logs
