@@ -10,9 +10,11 @@ callback's run trains at `--factor` times that batch under `--budget-fraction` o
 is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps
 `keras_fit` and `keras_callback` per model, as beyond_memory.py writes them, and the callback's run
 says which way it planned the step (the whole step in micro-batches, or swaps and recomputations)
-and its predicted and measured peaks. With `--tune FACTOR ...`, `tune_keras_batch_size` then picks
-the best of those multiples of Keras's batch under the same budget (`keras_tuned`), and the
-callback trains the batch it picks (`keras_callback_tuned`), unless it is the one above.
+and its predicted and measured peaks; a step in micro-batches also its step time, predicted at
+Keras fit's measured time per image (`step_ms`), and measured. With `--tune FACTOR ...`,
+`tune_keras_batch_size` then picks the best of those multiples of Keras's batch under the same
+budget (`keras_tuned`), and the callback trains the batch it picks (`keras_callback_tuned`),
+unless it is the one above.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def train_with_callback(name: str, batch: int, budget: int, fit: dict, args,
     callback = callback or {"batch": batch, "error": failure}
     if callback.get("img_per_s") and fit["img_per_s"]:
         callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
+        if "accumulation" in callback:
+            # The step runs Keras's own compiled step once per micro-batch: predicted at Keras
+            # fit's measured time per image, beside the step measured.
+            predicted, measured = (batch / rate * 1e3 for rate in (fit["img_per_s"],
+                                                                    callback["img_per_s"]))
+            callback["step_ms"] = {"predicted": predicted, "measured": measured,
+                                   "measured_over_predicted": measured / predicted}
     print(name, "callback", batch, json.dumps(callback)[:400], flush=True)
     return callback
 

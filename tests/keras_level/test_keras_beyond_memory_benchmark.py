@@ -22,6 +22,11 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     callback = entry["keras_callback"]
     assert callback["batch"] == 32 and callback["img_per_s"] > 0
     assert callback["accumulation"]["micro_batch_size"] == 32  # no cap: the whole batch fits
+    # The step predicted at Keras fit's time per image, beside the step measured.
+    step = callback["step_ms"]
+    assert step["predicted"] == 32 / entry["keras_fit"]["img_per_s"] * 1e3
+    assert step["measured"] == 32 / callback["img_per_s"] * 1e3
+    assert step["measured_over_predicted"] == step["measured"] / step["predicted"]
     assert entry["keras_callback_trained"] == 2
     assert [run["batch"] for run in entry["keras_callback_repeats"]] == [32, 32]
     tuned = entry["keras_tuned"]

@@ -38,8 +38,8 @@ from tf_ucudnn.keras.accumulated_step import (
     AccumulationPlan,
     accumulated_train_step,
     accumulation_refusal,
-    compiled_step_peak,
     check_batch_norm_statistics,
+    compiled_step_peak,
     plan_accumulation,
     train_first_batch,
 )
