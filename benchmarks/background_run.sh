@@ -2,6 +2,8 @@
 # the background on the machine, in a directory of its own, and later calls wait for it.
 #   background_start RUN_DIR COMMAND [ARG ...]   starts COMMAND there, in a session of its own
 #   background_wait RUN_DIR SECONDS              waits up to SECONDS; says "finished" or not
+# A lent machine goes back about 30 s after a call ends, and the run with it: keep a `wait` call
+# going, one after another, until it says finished.
 # The tree is sourced for the GPU environment first and copied into RUN_DIR, so later calls'
 # fresh copies of the tree cannot change the running code.
 
