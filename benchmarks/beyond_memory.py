@@ -354,22 +354,38 @@ def _trial_child(args) -> dict:
 
 def _tune_child(args) -> dict:
     """`tune_keras_batch_size` for a model compiled as `_keras_callback_child` compiles it, in
-    this process (a child), capped as the trials are: its trials and best batch."""
+    this process (a child), capped as the trials are: its trials and best batch. Where the
+    callback would train the whole step in micro-batches, each micro-batch size's step time is
+    Keras's own compiled step measured at that size (`measured_step_ms`), not the op-time model's
+    prediction for TensorFlow's graph, which XLA's step is not."""
     import keras
 
     from tf_ucudnn.keras import tune_keras_batch_size
+    from tf_ucudnn.keras.accumulated_step import accumulation_refusal
     from tf_ucudnn.memory import DeviceModel
 
     name, budget, *batches = args.tune_child
     setting = _child_setup(args)
     keras.utils.set_random_seed(0)
     model = _compiled_model(name, name == "smoke")
+    measured = {}
+
+    def keras_step_ms(size: int) -> float:
+        if size not in measured:
+            epochs = []
+            model.fit(_one_batch_repeated(model, size), epochs=2, steps_per_epoch=args.steps,
+                      verbose=0, shuffle=False, callbacks=[EpochTimer(epochs)])
+            measured[size] = epochs[-1] / args.steps * 1e3
+        return measured[size]
+    accumulated = accumulation_refusal(model, args.batch_norm_statistics) is None
     start = time.perf_counter()
     report = tune_keras_batch_size(
         model, [int(b) for b in batches], int(budget),
         DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
+        step_ms=keras_step_ms if accumulated else None,
         batch_norm_statistics=args.batch_norm_statistics)
     return {**report.to_json(), "tuning_s": time.perf_counter() - start, **setting,
+            "measured_step_ms": measured,
             "best_batch": report.best.batch_size if report.best else None}
 
 

@@ -95,7 +95,8 @@ def main():
             if args.tune:
                 batches = [int(f * fit["largest_batch_tried"]) for f in args.tune]
                 tuned, failure, _ = in_child(
-                    ["--tune-child", name, str(budget), *map(str, batches), "--link-gb-s",
+                    ["--tune-child", name, str(budget), *map(str, batches),
+                     "--steps", str(args.steps), "--link-gb-s",
                      *map(str, args.link_gb_s), "--trial-allocator", args.allocator,
                      *args.callback_options], args.memory_limit_gib, environment)
                 entry["keras_tuned"] = tuned or {"error": failure}

@@ -32,6 +32,11 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     tuned = entry["keras_tuned"]
     assert [t["batch_size"] for t in tuned["trials"]] == [8, 32]
     assert all(t["accumulated_micro_batch"] == t["batch_size"] for t in tuned["trials"])
+    # Each trial's step is Keras's own step measured at its micro-batch, once per micro-batch.
+    measured = {int(size): ms for size, ms in tuned["measured_step_ms"].items()}
+    assert set(measured) == {8, 32}
+    for t in tuned["trials"]:
+        assert t["step_ms"] == t["micro_batches"] * measured[t["accumulated_micro_batch"]]
     assert tuned["best_batch"] == max(tuned["trials"],
                                       key=lambda t: t["images_per_second"])["batch_size"]
     # The callback trains the tuner's pick too, unless it is the 4x batch already measured.
