@@ -198,6 +198,14 @@ class EpochTimer(tf.keras.callbacks.Callback):
         self.epochs.append(time.perf_counter() - self.start)
 
 
+def _fit_two_epochs(model, data, steps: int, epochs: list, callbacks=()) -> float:
+    """`model.fit` for two epochs of `steps` steps, each epoch's seconds appended to `epochs`:
+    the first traces and compiles, the second is timed. Its seconds per step."""
+    model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False,
+              callbacks=[*callbacks, EpochTimer(epochs)])
+    return epochs[-1] / steps
+
+
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     """One batch size of `keras_fit`, in this process (its child)."""
     model = _compiled_model(name, smoke)
@@ -205,11 +213,8 @@ def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
 
     epochs = []
 
-    def timed():
-        # The first epoch traces and compiles; the second is timed, as the callback's run is.
-        model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False,
-                  callbacks=[EpochTimer(epochs)])
-        return batch * steps / epochs[-1]
+    def timed():  # as the callback's run is timed
+        return batch / _fit_two_epochs(model, data, steps, epochs)
     rate, error = _try(timed)
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"]
             if tf.config.list_logical_devices("GPU") else None)
@@ -372,10 +377,8 @@ def _tune_child(args) -> dict:
 
     def keras_step_ms(size: int) -> float:
         if size not in measured:
-            epochs = []
-            model.fit(_one_batch_repeated(model, size), epochs=2, steps_per_epoch=args.steps,
-                      verbose=0, shuffle=False, callbacks=[EpochTimer(epochs)])
-            measured[size] = epochs[-1] / args.steps * 1e3
+            measured[size] = _fit_two_epochs(model, _one_batch_repeated(model, size),
+                                             args.steps, []) * 1e3
         return measured[size]
     accumulated = accumulation_refusal(model, args.batch_norm_statistics) is None
     start = time.perf_counter()
@@ -415,9 +418,7 @@ def _keras_callback_child(args) -> dict:
     epochs = []
 
     def timed():
-        model.fit(data, epochs=2, steps_per_epoch=args.steps, verbose=0, shuffle=False,
-                  callbacks=[callback, EpochTimer(epochs)])
-        return batch * args.steps / epochs[-1]
+        return batch / _fit_two_epochs(model, data, args.steps, epochs, [callback])
     rate, error = _try(timed)
     entry = {"batch": batch, "budget_bytes": int(budget), **setting, "epoch_seconds": epochs,
              "img_per_s": rate, "error": error}
