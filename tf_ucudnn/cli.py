@@ -111,10 +111,12 @@ def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine:
                                    call_overhead_ms=call_overhead_ms)
 
     def options(undivided: bool):
-        sizes = [batch_size] if undivided else None
+        # The baseline: one call per kernel, as TensorFlow's own convolution runs it.
+        sizes, form = ([batch_size], False) if undivided else (None, None)
         return [KernelOptions(layer, kernel, pareto_configurations(
                     kernel, timings, batch_size, deterministic_only=deterministic,
-                    micro_batch_sizes=sizes, call_overhead_ms=call_overhead_ms),
+                    micro_batch_sizes=sizes, call_overhead_ms=call_overhead_ms,
+                    subsampled=form),
                     (live_bytes or {}).get((layer, kernel), 0))
                 for (layer, kernel), timings in tables.items()]
 

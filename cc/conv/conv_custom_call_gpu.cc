@@ -53,9 +53,11 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   if (micro_batches.empty() || HasZeroSize(call->geometry)) return absl::OkStatus();
   PlanningResources resources(call->op_name);
   std::vector<ResolvedCall> resolved;
-  TF_RETURN_IF_ERROR(
-      CudnnConvolution(&resources, call->kernel, call->geometry, type, ConvBuffers<void>{})
-          .Prepare(micro_batches, &resolved, &call->scratch_bytes));
+  bool subsampled = false;
+  TF_RETURN_IF_ERROR(PlanSubsamples(call->geometry, micro_batches, &subsampled));
+  TF_RETURN_IF_ERROR(CudnnConvolution(&resources, call->kernel, call->geometry, type,
+                                      ConvBuffers<void>{}, subsampled)
+                         .Prepare(micro_batches, &resolved, &call->scratch_bytes));
   for (size_t i = 0; i < resolved.size(); ++i) {
     AlgorithmSpec& spec = call->micro_batches[i].algorithm;
     if (spec.is_engine()) continue;  // its execution plan is built when it first runs

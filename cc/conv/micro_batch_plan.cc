@@ -60,7 +60,8 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
   const auto syntax_error = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot parse algorithm '", text, "': ", why,
-        " (expected 'auto', 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]')"));
+        " (expected 'auto', 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', "
+        "either followed by ',subsampled=1')"));
   };
   std::map<std::string, std::string> fields;
   for (absl::string_view item : absl::StrSplit(trimmed, ',')) {
@@ -70,6 +71,13 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
     if (!fields.emplace(key, std::string(absl::StripAsciiWhitespace(kv.second))).second) {
       return syntax_error(absl::StrCat("'", key, "' given twice"));
     }
+  }
+  auto subsampled = fields.find("subsampled");
+  if (subsampled != fields.end()) {
+    if (subsampled->second != "1") return syntax_error("subsampled must be 1 where given");
+    fields.erase(subsampled);
+    if (fields.empty()) return syntax_error("subsampled needs an algorithm or engine");
+    spec->subsampled = true;
   }
   // An algo makes it a legacy algorithm, as in plan.py ("algo=1,engine=2" has an unknown key).
   const bool engine_form = fields.count("engine") > 0 && fields.count("algo") == 0;
@@ -141,20 +149,49 @@ absl::Status AlgorithmSpec::ParseEngine(
 }
 
 std::string AlgorithmSpec::ToString() const {
+  if (automatic && !is_engine()) return "auto";
+  std::string text;
   if (is_engine()) {
-    std::string text = absl::StrCat("engine=", engine);
+    text = absl::StrCat("engine=", engine);
     if (!knobs.empty()) {
       absl::StrAppend(&text, ",knobs=",
                       absl::StrJoin(knobs, "/", absl::PairFormatter(":")));
     }
-    return text;
+  } else {
+    text = absl::StrCat("algo=", algo);
+    if (math != MathMode::kFromTensorFlow) {
+      absl::StrAppend(&text, ",math=", kMathNames[static_cast<int>(math)]);
+    }
   }
-  if (automatic) return "auto";
-  std::string text = absl::StrCat("algo=", algo);
-  if (math != MathMode::kFromTensorFlow) {
-    absl::StrAppend(&text, ",math=", kMathNames[static_cast<int>(math)]);
-  }
+  if (subsampled) absl::StrAppend(&text, ",subsampled=1");
   return text;
+}
+
+bool CanSubsample(const ConvGeometry& g) {
+  bool strided = false;
+  for (int i = 0; i < g.num_spatial_dims(); ++i) {
+    if (g.filter_spatial[i] != 1 || g.pad_before[i] != 0 || g.pad_after[i] != 0) return false;
+    strided = strided || g.strides[i] > 1;
+  }
+  return strided;
+}
+
+absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
+                            bool* subsampled) {
+  *subsampled = !micro_batches.empty() && micro_batches[0].algorithm.subsampled;
+  for (size_t i = 1; i < micro_batches.size(); ++i) {
+    if (micro_batches[i].algorithm.subsampled != *subsampled) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "micro-batch ", i, " is ", *subsampled ? "not " : "", "subsampled but micro-batch 0 ",
+          *subsampled ? "is" : "is not", ": a plan subsamples all its micro-batches or none"));
+    }
+  }
+  if (*subsampled && !CanSubsample(g)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan runs subsampled, which needs a 1x1 filter, no padding and a stride above 1; "
+        "the convolution is ", g.DebugString()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status MicroBatchPlan::FromAttrs(ConvKernel kernel, const std::vector<int64_t>& sizes,

@@ -36,6 +36,8 @@ struct AlgorithmSpec {
   // (-1: none) and its knob choices, sorted by name. Names are checked by cuDNN when it runs.
   int64_t engine = -1;
   std::vector<EngineKnob> knobs;
+  // Run as a stride-1 convolution on a copy of the input's strided samples (CanSubsample).
+  bool subsampled = false;
 
   bool is_engine() const { return engine >= 0; }
 
@@ -72,6 +74,16 @@ class MicroBatchPlan {
   std::vector<int64_t> sizes_;
   std::vector<AlgorithmSpec> algorithms_;
 };
+
+// Whether a convolution can run subsampled: a filter of one tap in every spatial dimension, no
+// padding, and a stride above one (the strided samples are then all the output reads).
+bool CanSubsample(const ConvGeometry& g);
+
+// Whether `micro_batches` of a convolution of `g` run subsampled. All of a plan's micro-batches do
+// or none does (they share cuDNN's view of the tensors); a plan that mixes them, or subsamples a
+// convolution that cannot be, is an error.
+absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
+                            bool* subsampled);
 
 // Number of legacy cuDNN algorithms for a kernel (cuDNN 9's *_ALGO_COUNT).
 int AlgorithmCount(ConvKernel kernel);

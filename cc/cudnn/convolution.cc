@@ -17,12 +17,12 @@ namespace tf_ucudnn {
 
 CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
                                    const ConvGeometry& g, cudnnDataType_t type,
-                                   ConvBuffers<void> buffers)
+                                   ConvBuffers<void> buffers, bool subsampled)
     : resources_(resources),
       kernel_(kernel),
       g_(g),
       type_(type),
-      layout_(g, type),
+      layout_(g, type, subsampled),
       buffers_(buffers) {}
 
 absl::Status CudnnConvolution::Prepare(const std::vector<MicroBatch>& micro_batches,
@@ -63,7 +63,7 @@ absl::Status CudnnConvolution::Begin() {
   TF_RETURN_IF_ERROR(scoped_device_.Enter(device_));
   TF_RETURN_IF_ERROR(AcquireCudnnHandle(device_, stream_, &handle_));
   TF_RETURN_IF_ERROR(filter_desc_.Init(type_, layout_.channels_last(), layout_.FilterDims()));
-  return conv_desc_.Init(layout_.symmetric_padding(), g_.strides, g_.dilations,
+  return conv_desc_.Init(layout_.symmetric_padding(), layout_.strides(), g_.dilations,
                          ComputeType(type_), TensorFlowMath(type_), g_.groups);
 }
 
@@ -81,8 +81,27 @@ absl::Status CudnnConvolution::Descriptors(int64_t size, SizeDescriptors** out) 
   return absl::OkStatus();
 }
 
+// The layout was chosen for the whole plan: each micro-batch must have been planned for it.
+absl::Status CudnnConvolution::CheckSubsampling() const {
+  if (layout_.subsampled() && !CanSubsample(g_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a subsampled convolution needs a 1x1 filter, no padding and a stride above 1, not ",
+        g_.DebugString()));
+  }
+  for (size_t i = 0; i < micro_batches_.size(); ++i) {
+    if (micro_batches_[i].algorithm.subsampled != layout_.subsampled()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(i), layout_.subsampled()
+                        ? " is not planned subsampled, where the rest of its plan is"
+                        : " is planned subsampled, which this op does not run"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudnnConvolution::ResolveAll(std::vector<ResolvedCall>* calls,
                                           size_t* workspace_bytes) {
+  TF_RETURN_IF_ERROR(CheckSubsampling());
   TF_RETURN_IF_ERROR(Begin());
   calls->clear();
   *workspace_bytes = 0;
@@ -105,7 +124,7 @@ absl::Status CudnnConvolution::ZeroResultOfEmptyBatch() {
   return absl::OkStatus();
 }
 
-// Bytes of the workspace, cuDNN's copy of the filter, the padded (or transposed) input and the
+// Bytes of the workspace, cuDNN's copy of the filter, the padded (transposed, subsampled) input, the
 // transposed output, in the order AllocateBuffers takes them.
 std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const {
   int64_t largest = 0;
@@ -229,13 +248,25 @@ absl::Status CudnnConvolution::CopyResultBack(size_t index, void* cudnn_input, v
                                               void* cudnn_output, void* output) {
   const MicroBatch& mb = micro_batches_[index];
   if (layout_.needs_input_copy() && kernel_ == ConvKernel::kBackpropInput) {
-    TF_RETURN_IF_ERROR(Copy(layout_.InputCopy(mb.size, /*to_cudnn=*/false), cudnn_input, input));
+    TF_RETURN_IF_ERROR(CopyInputGradientBack(mb.size, cudnn_input, input));
   }
   if (layout_.transposed() && kernel_ == ConvKernel::kForward) {
     TF_RETURN_IF_ERROR(
         Copy(layout_.OutputCopy(mb.size, /*to_cudnn=*/false), cudnn_output, output));
   }
   return absl::OkStatus();
+}
+
+// A micro-batch's input gradient, from cuDNN's copy to the op's tensor; subsampled, the samples
+// the convolution skips get zeros.
+absl::Status CudnnConvolution::CopyInputGradientBack(int64_t size, void* cudnn_input,
+                                                     void* input) {
+  if (layout_.subsampled()) {
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(input, 0, size * g_.InputSampleSize() * ElementSize(type_), stream_),
+        "cudaMemsetAsync");
+  }
+  return Copy(layout_.InputCopy(size, /*to_cudnn=*/false), cudnn_input, input);
 }
 
 absl::Status CudnnConvolution::ExecuteEngineCall(size_t index, void* cudnn_input,
@@ -294,7 +325,10 @@ absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
         "cudaMemsetAsync");
     return absl::OkStatus();
   }
-  return CudnnConvolution(resources, kernel, geometry, type, buffers).Run(micro_batches);
+  bool subsampled = false;
+  TF_RETURN_IF_ERROR(PlanSubsamples(geometry, micro_batches, &subsampled));
+  return CudnnConvolution(resources, kernel, geometry, type, buffers, subsampled)
+      .Run(micro_batches);
 }
 
 }  // namespace tf_ucudnn

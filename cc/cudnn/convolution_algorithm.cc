@@ -131,7 +131,7 @@ EngineProblem EngineProblemOf(ConvKernel kernel, const ConvGeometry& g, const Cu
   problem.filter_dims = layout.FilterDims();
   problem.output_dims = layout.OutputDims(size);
   problem.padding = layout.symmetric_padding();
-  problem.strides.assign(g.strides.begin(), g.strides.end());
+  problem.strides = layout.strides();
   problem.dilations.assign(g.dilations.begin(), g.dilations.end());
   problem.device = device;
   problem.deterministic_only = tensorflow::OpDeterminismRequired();

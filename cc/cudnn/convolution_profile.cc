@@ -14,7 +14,7 @@
 namespace tf_ucudnn {
 namespace {
 
-// Runs per engine configuration after its warm-up; the median is kept.
+// Runs per engine configuration (and per subsampling copy) after its warm-up; the median is kept.
 constexpr int kEngineTimingRepeats = 5;
 
 }  // namespace
@@ -38,7 +38,8 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   // Results go to scratch; operands are copied where cuDNN needs another layout or padding.
   if (kernel_ == ConvKernel::kForward && !layout_.transposed()) {
     TF_RETURN_IF_ERROR(AllocateElements(largest * g_.OutputSampleSize(), &buffers_.output));
-  } else if (kernel_ == ConvKernel::kBackpropInput && !layout_.needs_input_copy()) {
+  } else if (kernel_ == ConvKernel::kBackpropInput &&
+             (!layout_.needs_input_copy() || layout_.subsampled())) {
     TF_RETURN_IF_ERROR(AllocateElements(largest * g_.InputSampleSize(), &buffers_.input));
   }
   if (kernel_ != ConvKernel::kBackpropFilter) {
@@ -51,17 +52,49 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   TF_RETURN_IF_ERROR(conv_desc_.SetMath(TensorFlowMath(type_)));
   void* workspace = workspace_limit > 0 ? workspace_ : nullptr;
   for (int64_t size : sizes) {
+    const size_t first = measurements->size();
     if (candidates == ProfiledCandidates::kEngines) {
       TF_RETURN_IF_ERROR(
           TimeEngines(cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
-      continue;
+    } else {
+      SizeDescriptors* d;
+      TF_RETURN_IF_ERROR(Descriptors(size, &d));
+      TF_RETURN_IF_ERROR(
+          Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
     }
-    SizeDescriptors* d;
-    TF_RETURN_IF_ERROR(Descriptors(size, &d));
-    TF_RETURN_IF_ERROR(
-        Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
+    if (!layout_.subsampled() || measurements->size() == first) continue;
+    // A subsampled call costs its copies beside cuDNN's, and the copy of its input beside
+    // cuDNN's workspace: both count against what the plan chooses.
+    float copies_ms = 0;
+    TF_RETURN_IF_ERROR(TimeSubsamplingCopies(size, cudnn_input, &copies_ms));
+    const size_t copy_bytes = size * layout_.PaddedInputSampleSize() * ElementSize(type_);
+    for (size_t i = first; i < measurements->size(); ++i) {
+      AlgorithmMeasurement& m = (*measurements)[i];
+      m.algorithm.subsampled = true;
+      m.time_ms += copies_ms;
+      m.workspace += copy_bytes;
+    }
   }
   return absl::OkStatus();
+}
+
+// The copies a subsampled micro-batch of `size` adds to cuDNN's call, as Run makes them: the
+// input's strided samples gathered, or the input gradient zeroed and cuDNN's result scattered.
+absl::Status CudnnConvolution::TimeSubsamplingCopies(int64_t size, void* cudnn_input,
+                                                     float* time_ms) {
+  const absl::Status status = MedianGpuTime(
+      stream_, kEngineTimingRepeats,
+      [&] {
+        return kernel_ == ConvKernel::kBackpropInput
+                   ? CopyInputGradientBack(size, cudnn_input, buffers_.input)
+                   : Copy(layout_.InputCopy(size, /*to_cudnn=*/true), buffers_.input,
+                          cudnn_input);
+      },
+      time_ms);
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat("timing the subsampling copies of ",
+                                                  KernelName(kernel_), " at ", size,
+                                                  " samples: ", status.message()));
 }
 
 absl::Status CudnnConvolution::TimeEngines(void* cudnn_input, void* cudnn_output,

@@ -1,6 +1,7 @@
 // The cuDNN plumbing of cudnn_support.h: status conversions, the handle pool and descriptors.
 #include "cc/cudnn/cudnn_support.h"
 
+#include <algorithm>
 #include <climits>
 #include <map>
 #include <memory>
@@ -60,6 +61,52 @@ absl::Status ScopedCudaDevice::Enter(int device) {
     TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
     previous_ = current;
   }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Two CUDA events, destroyed with it.
+class EventPair {
+ public:
+  absl::Status Create() {
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&start_), "cudaEventCreate");
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&stop_), "cudaEventCreate");
+    return absl::OkStatus();
+  }
+  ~EventPair() {
+    if (start_ != nullptr) cudaEventDestroy(start_);
+    if (stop_ != nullptr) cudaEventDestroy(stop_);
+  }
+  cudaEvent_t start() const { return start_; }
+  cudaEvent_t stop() const { return stop_; }
+
+ private:
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+};
+
+}  // namespace
+
+absl::Status MedianGpuTime(cudaStream_t stream, int repeats,
+                           const std::function<absl::Status()>& work, float* time_ms) {
+  EventPair events;
+  if (absl::Status status = events.Create(); !status.ok()) return status;
+  if (absl::Status status = work(); !status.ok()) return status;
+  std::vector<float> times;
+  for (int r = 0; r < repeats; ++r) {
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.start(), stream), "cudaEventRecord");
+    if (absl::Status status = work(); !status.ok()) return status;
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.stop(), stream), "cudaEventRecord");
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events.stop()), "cudaEventSynchronize");
+    float ms = 0;
+    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, events.start(), events.stop()),
+                                   "cudaEventElapsedTime");
+    times.push_back(ms);
+  }
+  if (times.empty()) return absl::InvalidArgumentError("timing needs at least one run");
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  *time_ms = times[times.size() / 2];
   return absl::OkStatus();
 }
 

@@ -4,6 +4,7 @@
 #define TF_UCUDNN_CC_CUDNN_CUDNN_SUPPORT_H_
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -49,6 +50,11 @@ class ScopedCudaDevice {
  private:
   int previous_ = -1;
 };
+
+// GPU time of `work` (what it enqueues on `stream`): one warm-up run, then the median of
+// `repeats` runs, each between two CUDA events. An error from `work` ends the timing with it.
+absl::Status MedianGpuTime(cudaStream_t stream, int repeats,
+                           const std::function<absl::Status()>& work, float* time_ms);
 
 // The device that owns a device pointer.
 absl::Status DeviceOfPointer(const void* pointer, int* device);

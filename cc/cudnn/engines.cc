@@ -228,30 +228,6 @@ struct PreparedEngine {
 
 bool EnginesAvailable() { return true; }
 
-namespace {
-
-// Two CUDA events, destroyed with it.
-class EventPair {
- public:
-  absl::Status Create() {
-    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&start_), "cudaEventCreate");
-    TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventCreate(&stop_), "cudaEventCreate");
-    return absl::OkStatus();
-  }
-  ~EventPair() {
-    if (start_ != nullptr) cudaEventDestroy(start_);
-    if (stop_ != nullptr) cudaEventDestroy(stop_);
-  }
-  cudaEvent_t start() const { return start_; }
-  cudaEvent_t stop() const { return stop_; }
-
- private:
-  cudaEvent_t start_ = nullptr;
-  cudaEvent_t stop_ = nullptr;
-};
-
-}  // namespace
-
 absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
                                int64_t workspace_limit, std::vector<EngineConfigInfo>* configs) {
   configs->clear();
@@ -359,9 +335,6 @@ absl::Status TimeEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   TF_RETURN_IF_ERROR(ListEngineConfigs(handle, problem, workspace_limit, &configs));
   cudaStream_t stream = nullptr;
   TF_UCUDNN_RETURN_IF_CUDNN_ERROR(cudnnGetStream(handle, &stream), "cudnnGetStream");
-  EventPair events;
-  TF_RETURN_IF_ERROR(events.Create());
-  std::vector<float> times;
   for (EngineConfigInfo& info : configs) {
     // Timed as a plan will run it: rebuilt from its engine and knobs alone, which need not be
     // the configuration the heuristics built (a knob the frontend cannot name takes its default).
@@ -370,26 +343,15 @@ absl::Status TimeEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
         workspace_bytes > workspace_limit) {
       continue;
     }
-    const auto run = [&] {
-      return ExecuteEngine(handle, problem, info.spec, input, filter, output, workspace).ok();
-    };
-    if (!run()) continue;  // the warm-up run; a configuration that cannot run is no candidate
-    times.clear();
-    bool ran = true;
-    for (int r = 0; r < repeats && ran; ++r) {
-      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.start(), stream), "cudaEventRecord");
-      ran = run();
-      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventRecord(events.stop(), stream), "cudaEventRecord");
-      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events.stop()), "cudaEventSynchronize");
-      float ms = 0;
-      TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&ms, events.start(), events.stop()),
-                                     "cudaEventElapsedTime");
-      times.push_back(ms);
+    float time_ms = 0;
+    // A configuration that cannot run is no candidate.
+    if (!MedianGpuTime(stream, repeats, [&] {
+           return ExecuteEngine(handle, problem, info.spec, input, filter, output, workspace);
+         }, &time_ms).ok()) {
+      continue;
     }
-    if (!ran || times.empty()) continue;
-    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
     info.workspace_bytes = workspace_bytes;
-    timings->push_back({std::move(info), times[times.size() / 2]});
+    timings->push_back({std::move(info), time_ms});
   }
   // A kernel that failed asynchronously would poison the next op; say so here instead.
   TF_UCUDNN_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream),

@@ -69,13 +69,21 @@ StridedCopy MakeCopy(const std::vector<int64_t>& dims, const std::vector<int64_t
 
 }  // namespace
 
-CudnnLayout::CudnnLayout(const ConvGeometry& g, cudnnDataType_t type)
+CudnnLayout::CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, bool subsampled)
     : g_(g),
       channels_last_(g.channels_last && type != CUDNN_DATA_DOUBLE),
-      transposed_(channels_last_ != g.channels_last) {
+      transposed_(channels_last_ != g.channels_last),
+      subsampled_(subsampled),
+      strides_(g.strides) {
   const int nd = g.num_spatial_dims();
   symmetric_padding_.assign(nd, 0);
   extra_before_.assign(nd, 0);
+  if (subsampled_) {  // no padding (CanSubsample): the strided samples are the output's positions
+    padded_spatial_ = g.output_spatial;
+    strides_.assign(nd, 1);
+    needs_input_copy_ = true;
+    return;
+  }
   padded_spatial_ = g.input_spatial;
   for (int i = 0; i < nd; ++i) {
     symmetric_padding_[i] = std::min(g.pad_before[i], g.pad_after[i]);
@@ -124,8 +132,13 @@ StridedCopy CudnnLayout::InputCopy(int64_t size, bool to_cudnn) const {
   for (size_t i = 0; i < extra_before_.size(); ++i) {
     start[2 + i] = to_cudnn ? -extra_before_[i] : extra_before_[i];
   }
-  const auto input_strides = LogicalStrides(input, g_.channels_last);
+  auto input_strides = LogicalStrides(input, g_.channels_last);
   const auto padded_strides = LogicalStrides(padded, channels_last_);
+  if (subsampled_) {  // the op's input seen at its strided samples only, which cuDNN's copy holds
+    for (size_t i = 0; i < g_.strides.size(); ++i) input_strides[2 + i] *= g_.strides[i];
+    return to_cudnn ? MakeCopy(padded, padded_strides, padded, input_strides, start)
+                    : MakeCopy(padded, input_strides, padded, padded_strides, start);
+  }
   return to_cudnn ? MakeCopy(padded, padded_strides, input, input_strides, start)
                   : MakeCopy(input, input_strides, padded, padded_strides, start);
 }

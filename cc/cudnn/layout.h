@@ -18,15 +18,22 @@ namespace tf_ucudnn {
 // layouts (TensorFlow runs those channels-first too), so float64 NHWC/NDHWC micro-batches are
 // transposed on their way in and out. Dims are in cuDNN's logical order: [N, C, spatial...] for
 // tensors, [K, C / groups, spatial...] for filters (the groups are the convolution descriptor's).
+//
+// A subsampled layout runs a strided convolution of a 1x1 filter without padding (CanSubsample)
+// as a stride-1 convolution on a copy of the input's strided samples: cuDNN's strided kernels for
+// it are slow within a small workspace, its stride-1 ones are GEMMs. The input gradient's other
+// samples are zero.
 class CudnnLayout {
  public:
-  // `g` must outlive the layout.
-  CudnnLayout(const ConvGeometry& g, cudnnDataType_t type);
+  // `g` must outlive the layout; `subsampled` needs CanSubsample(g).
+  CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, bool subsampled = false);
 
   bool channels_last() const { return channels_last_; }  // the layout cuDNN sees
   bool transposed() const { return transposed_; }        // ... differs from the op's
-  bool needs_input_copy() const { return needs_input_copy_; }  // padded or transposed input
+  bool needs_input_copy() const { return needs_input_copy_; }  // padded, transposed, subsampled
+  bool subsampled() const { return subsampled_; }
   const std::vector<int64_t>& symmetric_padding() const { return symmetric_padding_; }
+  const std::vector<int64_t>& strides() const { return strides_; }  // cuDNN's
 
   std::vector<int64_t> FilterDims() const;
   std::vector<int64_t> InputDims(int64_t size) const;  // padded
@@ -36,7 +43,8 @@ class CudnnLayout {
   // Between TensorFlow's filter layout [spatial..., C / groups, K] and cuDNN's.
   StridedCopy FilterToCudnn() const;
   StridedCopy FilterFromCudnn() const;
-  // Between a micro-batch of the op's input and cuDNN's copy of it (padded, maybe transposed).
+  // Between a micro-batch of the op's input and cuDNN's copy of it (padded or subsampled, maybe
+  // transposed). From a subsampled copy it writes the strided samples only.
   StridedCopy InputCopy(int64_t size, bool to_cudnn) const;
   // Between a micro-batch of the op's output (or its gradient) and cuDNN's transposed copy.
   StridedCopy OutputCopy(int64_t size, bool to_cudnn) const;
@@ -46,7 +54,9 @@ class CudnnLayout {
   bool channels_last_ = false;
   bool transposed_ = false;
   bool needs_input_copy_ = false;
+  bool subsampled_ = false;
   std::vector<int64_t> symmetric_padding_;
+  std::vector<int64_t> strides_;
   std::vector<int64_t> extra_before_;  // input padding cuDNN does not do, before each dimension
   std::vector<int64_t> padded_spatial_;
 };

@@ -37,6 +37,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("candidates", &candidates));
     candidates_ = candidates == "engines" ? ProfiledCandidates::kEngines
                                           : ProfiledCandidates::kLegacy;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("subsampled", &subsampled_));
     int64_t limit = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("workspace_limit", &limit));
     OP_REQUIRES(ctx, limit >= 0, absl::InvalidArgumentError("workspace_limit must be >= 0"));
@@ -51,13 +52,19 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     absl::Status status =
         ComputeConvGeometry(attrs_, Dims(input.shape()), Dims(filter.shape()), &geometry);
     if (status.ok()) status = CheckOutputShape(geometry, Dims(out_backprop.shape()));
+    if (status.ok() && subsampled_ && !CanSubsample(geometry)) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "subsampled needs a 1x1 filter, no padding and a stride above 1, not ",
+          geometry.DebugString()));
+    }
     std::vector<AlgorithmMeasurement> measurements;
     if (status.ok()) {
       const ConvBuffers<void> buffers{const_cast<T*>(input.flat<T>().data()),
                                       const_cast<T*>(filter.flat<T>().data()),
                                       const_cast<T*>(out_backprop.flat<T>().data())};
       OpKernelResources resources(ctx);
-      status = CudnnConvolution(&resources, kernel_, geometry, CudnnDataType<T>::value, buffers)
+      status = CudnnConvolution(&resources, kernel_, geometry, CudnnDataType<T>::value, buffers,
+                                subsampled_)
                    .Profile(batch_sizes_, workspace_limit_, candidates_, &measurements);
     }
     OP_REQUIRES(ctx, status.ok(),
@@ -87,6 +94,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
   std::vector<int64_t> batch_sizes_;
   size_t workspace_limit_ = 0;
   ProfiledCandidates candidates_ = ProfiledCandidates::kLegacy;
+  bool subsampled_ = false;
 };
 
 // The tensors stay on the GPU; the small result table is written by the host.

@@ -24,6 +24,7 @@ REGISTER_OP("UcudnnProfileConvolution")
     .Attr("batch_sizes: list(int)")
     .Attr("workspace_limit: int")
     .Attr("candidates: {'legacy', 'engines'} = 'legacy'")
+    .Attr("subsampled: bool = false")
     // Each run measures anew: never constant-folded, merged or skipped.
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -37,11 +38,14 @@ Times every candidate cuDNN can run for one kernel of a convolution at each of `
 the given tensors (their first samples), with up to `workspace_limit` bytes of workspace:
 `candidates` 'legacy' times the legacy algorithms (cudnnFind*AlgorithmEx, with the math TensorFlow
 would use for T), 'engines' the graph-API engine configurations of cuDNN's heuristics (a warm-up
-run, then the median of five runs between CUDA events each).
+run, then the median of five runs between CUDA events each). `subsampled` times them as a
+stride-1 convolution on a copy of the input's strided samples (a 1x1 filter, no padding, a stride
+above 1), each time with the copies' and each workspace with the copy's.
 
 measurements: one row per candidate run: batch size, time in milliseconds, workspace bytes,
   1 if known to be deterministic else 0.
-algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]").
+algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]",
+  then ",subsampled=1" where subsampled).
 )doc");
 
 REGISTER_OP("UcudnnCudnnVersion")

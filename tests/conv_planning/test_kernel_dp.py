@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import random
 
@@ -145,6 +146,18 @@ def _check_plan(kernel_table, configuration, batch_size, limit):
     assert configuration.workspace_bytes == max(t.workspace_bytes for t in entries)
 
 
+def _check_fastest(table, plans, batch_size, limit):
+    """The DP's plan is the fastest of `plans` (brute force's), or there is none."""
+    dp_limit = None if limit == math.inf else limit
+    if not plans:
+        with pytest.raises(NoFeasiblePlanError):
+            fastest_configuration("fwd", table, batch_size, dp_limit)
+        return
+    best = fastest_configuration("fwd", table, batch_size, dp_limit)
+    assert best.time_ms == pytest.approx(min(time for time, _ in plans))
+    _check_plan(table, best, batch_size, limit)
+
+
 def test_dp_matches_brute_force_on_random_tables():
     rng = random.Random(1234)
     for _ in range(150):
@@ -152,14 +165,7 @@ def test_dp_matches_brute_force_on_random_tables():
         table = _random_table(rng, batch_size)
         limit = rng.choice([0, 100, 1000, 5000, math.inf])
         plans = _all_plans(table, batch_size, limit)
-        dp_limit = None if limit == math.inf else limit
-        if not plans:
-            with pytest.raises(NoFeasiblePlanError):
-                fastest_configuration("fwd", table, batch_size, dp_limit)
-            continue
-        best = fastest_configuration("fwd", table, batch_size, dp_limit)
-        assert best.time_ms == pytest.approx(min(time for time, _ in plans))
-        _check_plan(table, best, batch_size, limit)
+        _check_fastest(table, plans, batch_size, limit)
 
 
 def test_pareto_front_matches_brute_force_on_random_tables():
@@ -254,3 +260,57 @@ def test_deterministic_requests_leave_engine_configurations_out():
         "8@algo=1,math=default"
     with pytest.raises(NoFeasiblePlanError, match="deterministic algorithms only"):
         fastest_configuration("fwd", {8: [engine(12, 1.0, 0)]}, 8, deterministic_only=True)
+
+
+def subsampled(timing):
+    return AlgorithmTiming.from_algorithm(
+        dataclasses.replace(timing.algorithm, subsampled=True), timing.time_ms,
+        timing.workspace_bytes)
+
+
+def test_a_plan_never_mixes_subsampled_and_direct_micro_batches():
+    """Its micro-batches share the op's view of its tensors, so the fastest mix (4 subsampled at
+    0.5 + 2 direct at 0.4) is no plan; the best of each form alone is (here: 3 x 2 direct)."""
+    table = {4: [subsampled(AlgorithmTiming(0, "default", 0.5, 8 * MIB))],
+             2: [AlgorithmTiming(1, "default", 0.4, 0)],
+             6: [AlgorithmTiming(1, "default", 3.0, 0)]}
+    best = fastest_configuration("fwd", table, 6)
+    assert str(best.plan) == "2@algo=1,math=default + 2@algo=1,math=default + " \
+        "2@algo=1,math=default" and best.time_ms == pytest.approx(1.2)
+    # Where subsampled micro-batches can make the batch alone, and are faster, they are chosen.
+    table[2].append(subsampled(AlgorithmTiming(0, "default", 0.3, 4 * MIB)))
+    best = fastest_configuration("fwd", table, 6)
+    assert best.plan.subsampled and best.plan.sizes == (4, 2)
+    assert best.time_ms == pytest.approx(0.8) and best.workspace_bytes == 8 * MIB
+    within = fastest_configuration("fwd", table, 6, 4 * MIB)
+    assert within.plan.subsampled and within.plan.sizes == (2, 2, 2)
+    assert not fastest_configuration("fwd", table, 6, 0).plan.subsampled
+    front = pareto_configurations("fwd", table, 6)
+    assert [(c.workspace_bytes, c.plan.subsampled) for c in front] == \
+        [(0, False), (4 * MIB, True), (8 * MIB, True)]
+    assert [c.time_ms for c in front] == pytest.approx([1.2, 0.9, 0.8])
+
+
+def test_either_form_can_be_asked_for_alone():
+    table = {8: [AlgorithmTiming(1, "default", 2.0, 0),
+                 subsampled(AlgorithmTiming(1, "default", 1.0, 0))]}
+    assert fastest_configuration("fwd", table, 8).plan.subsampled
+    direct = fastest_configuration("fwd", table, 8, subsampled=False)
+    assert not direct.plan.subsampled and direct.time_ms == 2.0
+    assert [c.plan.subsampled for c in pareto_configurations("fwd", table, 8, subsampled=True)] \
+        == [True]
+    with pytest.raises(NoFeasiblePlanError):
+        fastest_configuration("fwd", {8: [AlgorithmTiming(1, "default", 2.0, 0)]}, 8,
+                              subsampled=True)
+
+
+def test_dp_matches_brute_force_over_each_form_on_random_tables():
+    rng = random.Random(4321)
+    for _ in range(100):
+        batch_size = rng.randint(1, 8)
+        direct, other = _random_table(rng, batch_size), _random_table(rng, batch_size)
+        table = {size: [*direct.get(size, ()), *map(subsampled, other.get(size, ()))]
+                 for size in set(direct) | set(other)}
+        limit = rng.choice([0, 1000, 5000, math.inf])
+        plans = _all_plans(direct, batch_size, limit) + _all_plans(other, batch_size, limit)
+        _check_fastest(table, plans, batch_size, limit)

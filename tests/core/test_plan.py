@@ -200,6 +200,45 @@ def test_order_key_orders_auto_legacy_then_engines():
         "engine=2,knobs=B:1"]
 
 
+@pytest.mark.parametrize("algorithm, text", [
+    (Algorithm(1, subsampled=True), "algo=1,subsampled=1"),
+    (Algorithm(0, "tensor_op", subsampled=True), "algo=0,math=tensor_op,subsampled=1"),
+    (Algorithm(engine=4, knobs={"TILEK": 1}, subsampled=True), "engine=4,knobs=TILEK:1,subsampled=1"),
+], ids=str)
+def test_subsampled_algorithms_round_trip(algorithm, text):
+    assert algorithm.to_attr() == text
+    assert Algorithm.parse(text) == algorithm
+    assert Algorithm.parse(text) != dataclasses.replace(algorithm, subsampled=False)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("subsampled=1", "needs an algorithm or engine"),
+    ("algo=1,subsampled=0", "subsampled must be 1"),
+    ("algo=1,subsampled=yes", "subsampled must be 1"),
+], ids=repr)
+def test_subsampled_parse_rejects(text, reason):
+    with pytest.raises(ValueError, match=reason):
+        Algorithm.parse(text)
+
+
+def test_subsampled_needs_an_explicit_algorithm():
+    with pytest.raises(ValueError, match="needs an explicit algorithm or engine"):
+        Algorithm(subsampled=True)
+    with pytest.raises(ValueError, match="must be a bool"):
+        Algorithm(1, subsampled=1)
+
+
+def test_a_kernel_plan_subsamples_all_its_micro_batches_or_none():
+    both = KernelPlan((MicroBatch(4, Algorithm(1, subsampled=True)),
+                       MicroBatch(4, Algorithm(engine=3, subsampled=True))))
+    assert both.subsampled
+    assert KernelPlan.from_json(json.loads(json.dumps(both.to_json()))) == both
+    assert KernelPlan.from_attrs(**both.attrs()) == both
+    assert not KernelPlan.of((4, 1), (4, 0)).subsampled and not KernelPlan().subsampled
+    with pytest.raises(ValueError, match="all its micro-batches or none"):
+        KernelPlan((MicroBatch(4, Algorithm(1, subsampled=True)), MicroBatch(4, Algorithm(1))))
+
+
 def test_kernel_plan_carries_engine_configs_in_attrs_json_and_text():
     engine = Algorithm(engine=12, knobs={"TILE_SIZE": 5, "SPLIT_K_SLC": 2})
     plan = KernelPlan((MicroBatch(32, engine, 1 << 20), MicroBatch(32, Algorithm(1))))
@@ -233,7 +272,12 @@ _SHARED_SYNTAX = ["auto", " auto", "algo=0", "algo=2,math=fma", "math=tensor_op,
                   "engine=1,math=fma", "engine=x", "engine=1_0", "engine=", "knobs=A:1",
                   "engine=1,knobs=", "engine=1,knobs=A", "engine=1,knobs=A:x",
                   "engine=1,knobs=A:1/", "engine=1,knobs=a:1", "engine=1,knobs=A:1/A:2",
-                  "engine=-1", "engine=1,engine=1"]
+                  "engine=-1", "engine=1,engine=1",
+                  # subsampled runs
+                  "algo=1,subsampled=1", "subsampled=1,engine=2,knobs=A:1",
+                  "algo=0,math=fma,subsampled=1", "subsampled=1", "algo=1,subsampled=0",
+                  "algo=1,subsampled=true", "algo=1,subsampled=1,subsampled=1", "auto,subsampled=1",
+                  "engine=2,subsampled="]
 
 
 @pytest.mark.parametrize("text", _SHARED_SYNTAX, ids=repr)
@@ -246,9 +290,9 @@ def test_op_library_agrees_with_plan_parser(text):
     x = tf.zeros([2, 3, 3, 1])
     w = tf.zeros([1, 1, 1, 1])
     with tf.device("/CPU:0"):
-        try:
-            op_library().ucudnn_conv2d(x, w, strides=[1, 1, 1, 1], padding="VALID", micro_batches=[2],
-                               algorithms=[text])
+        try:  # a strided 1x1 convolution, which may run subsampled
+            op_library().ucudnn_conv2d(x, w, strides=[1, 2, 2, 1], padding="VALID",
+                                       micro_batches=[2], algorithms=[text])
             op_accepts = True
         except tf.errors.InvalidArgumentError as error:
             op_accepts = False

@@ -287,3 +287,17 @@ def test_version_1_database_is_migrated_in_place(tmp_path):
     connection.close()
     with ProfileDatabase(path) as db:  # opens again as it is, now
         assert len(db) == 4
+
+
+def test_subsampled_measurements_are_kept_beside_direct_ones(tmp_path):
+    geometry = dataclasses.replace(GEOMETRY, filter_dims=(1, 1), pads=(0, 0), strides=(2, 2))
+    direct = record(geometry=geometry, time_ms=2.0)
+    subsampled = dataclasses.replace(direct, time_ms=0.5, workspace_bytes=9 << 20, subsampled=True)
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        database.insert([direct, subsampled])
+        assert len(database) == 2
+        [first, second] = database.timings(H100, 91400, geometry, "fwd")[32]
+        assert first.algorithm == Algorithm(1, "default", subsampled=True)
+        assert (first.time_ms, first.workspace_bytes) == (0.5, 9 << 20)
+        assert second.algorithm == Algorithm(1, "default")
+        assert sorted(database.records(), key=lambda r: r.time_ms) == [subsampled, direct]

@@ -37,7 +37,8 @@ def test_measure_refuses_an_unknown_kind_of_candidate():
 def _record(batch_size, algorithm):
     algorithm = Algorithm.parse(algorithm)
     return ProfileRecord("GPU", 91400, GEOMETRY, "fwd", batch_size, algorithm.algo,
-                         algorithm.math, 0.5, 0, engine=algorithm.engine, knobs=algorithm.knobs)
+                         algorithm.math, 0.5, 0, engine=algorithm.engine, knobs=algorithm.knobs,
+                         subsampled=algorithm.subsampled)
 
 
 def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path):
@@ -49,6 +50,24 @@ def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path
         unmeasured = {kind: profiler.unmeasured_sizes(table, [1, 2, 4, 8], kind)
                       for kind in profiler.CANDIDATES}
     assert unmeasured == {profiler.LEGACY: [8], profiler.ENGINES: [1, 2, 8]}
+
+
+def test_subsampled_runs_are_measured_apart_from_direct_ones(tmp_path):
+    machine = profiler.Machine("GPU", 91400)
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        database.insert([_record(size, "algo=1,math=default") for size in (1, 2)]
+                        + [_record(2, "algo=1,math=default,subsampled=1"),
+                           _record(1, "engine=7,subsampled=1")])
+        table = database.timings(machine.device, machine.cudnn_version, GEOMETRY, "fwd")
+    unmeasured = {(kind, subsampled): profiler.unmeasured_sizes(table, [1, 2], kind, subsampled)
+                  for kind in profiler.CANDIDATES for subsampled in (False, True)}
+    assert unmeasured == {(profiler.LEGACY, False): [], (profiler.LEGACY, True): [1],
+                          (profiler.ENGINES, False): [1, 2], (profiler.ENGINES, True): [2]}
+
+
+def test_measure_refuses_to_subsample_what_cannot_be():
+    with pytest.raises(ValueError, match="only a strided 1x1 convolution"):
+        profiler.measure(GEOMETRY, "fwd", [2], profiler.Machine("GPU", 91400), subsampled=True)
 
 
 @pytest.fixture

@@ -335,3 +335,31 @@ def test_timings_of_engines_and_legacy_algorithms_sort_by_time_then_algorithm_or
     assert [str(t.algorithm) for t in table[32]] == [
         "engine=12,knobs=SPLIT_K_SLC:2/TILE_SIZE:5", "algo=7,math=default", "engine=2",
         "engine=10"]
+
+
+STRIDED_1X1 = ConvGeometry(in_channels=256, out_channels=512, input_dims=(56, 56),
+                           filter_dims=(1, 1), pads=(0, 0), strides=(2, 2), dilations=(1, 1),
+                           dtype="float32", layout="NCHW")
+
+
+def test_subsampled_records_round_trip_as_json_lines(tmp_path):
+    subsampled = ProfileRecord(H100, 91400, STRIDED_1X1, "bwd_filter", 64, None, None, 0.3,
+                               55 << 20, engine=62, knobs=(("WORKSPACE", 0),), subsampled=True)
+    legacy = ProfileRecord(H100, 91400, STRIDED_1X1, "fwd", 64, 1, "default", 0.2, 0,
+                           subsampled=True)
+    direct = ProfileRecord(H100, 91400, STRIDED_1X1, "fwd", 64, 1, "default", 0.4, 0)
+    assert subsampled.to_json()["subsampled"] is True and "subsampled" not in direct.to_json()
+    assert str(subsampled.algorithm) == "engine=62,knobs=WORKSPACE:0,subsampled=1"
+    assert subsampled.timing.algorithm == subsampled.algorithm
+    assert legacy.timing.algorithm == Algorithm(1, "default", subsampled=True)
+    write_jsonl(tmp_path / "subsampled.jsonl", [subsampled, legacy, direct])
+    assert read_jsonl(tmp_path / "subsampled.jsonl") == [subsampled, legacy, direct]
+
+
+def test_geometries_that_can_subsample():
+    assert STRIDED_1X1.can_subsample
+    assert not dataclasses.replace(STRIDED_1X1, strides=(1, 1)).can_subsample
+    assert not dataclasses.replace(STRIDED_1X1, pads=(1, 1)).can_subsample
+    assert not dataclasses.replace(STRIDED_1X1, filter_dims=(3, 3)).can_subsample
+    assert dataclasses.replace(STRIDED_1X1, strides=(1, 2)).can_subsample
+    assert not ALEXNET_CONV2.can_subsample

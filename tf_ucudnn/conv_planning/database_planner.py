@@ -246,7 +246,7 @@ class DatabasePlanner:
                 xla_ms += fastest_configuration(
                     kernel, tables[kernel], layer.batch_size, None,
                     deterministic_only=self.deterministic_only,
-                    micro_batch_sizes=[layer.batch_size]).time_ms
+                    micro_batch_sizes=[layer.batch_size], subsampled=False).time_ms
             except NoFeasiblePlanError:
                 return LayerPrediction(None, None)
         plan_ms = None
@@ -286,9 +286,11 @@ def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float
 
 def _runs_as_planned(measured: Algorithm, planned: Algorithm) -> bool:
     """Whether a measurement is of what a plan runs: the same engine configuration, or the same
-    legacy algorithm in the planned math mode (any, where the plan leaves it to TensorFlow)."""
+    legacy algorithm in the planned math mode (any, where the plan leaves it to TensorFlow), in
+    the planned form (subsampled or not)."""
     if planned.is_engine:
         return measured == planned
     if planned.algo is None:  # cuDNN's heuristics choose at run time: nothing measured is it
         return False
-    return measured.algo == planned.algo and planned.math in (None, measured.math)
+    return (measured.algo == planned.algo and planned.math in (None, measured.math)
+            and measured.subsampled == planned.subsampled)

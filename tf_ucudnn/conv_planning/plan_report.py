@@ -135,7 +135,8 @@ def kernel_limit_report(tables: Mapping[tuple[str, str], KernelTimings], batch_s
             undivided = fastest_configuration(kernel, timings, batch_size, workspace_limit,
                                               deterministic_only=deterministic_only,
                                               micro_batch_sizes=[batch_size],
-                                              call_overhead_ms=call_overhead_ms)
+                                              call_overhead_ms=call_overhead_ms,
+                                              subsampled=False)
         except NoFeasiblePlanError:
             undivided = None
         kernels.append(KernelReport(layer, kernel, chosen, undivided, workspace_limit))

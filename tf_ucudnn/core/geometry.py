@@ -57,6 +57,13 @@ class ConvGeometry:
         return f"conv{len(self.input_dims)}d"
 
     @property
+    def can_subsample(self) -> bool:
+        """Whether it can run subsampled (`tf_ucudnn.core.plan.Algorithm`): a 1x1 filter, no
+        padding and a stride above 1, so that the output reads the input's strided samples only."""
+        return (all(k == 1 for k in self.filter_dims) and not any(self.pads)
+                and any(s > 1 for s in self.strides))
+
+    @property
     def filter_in_channels(self) -> int:
         return self.in_channels // self.groups
 

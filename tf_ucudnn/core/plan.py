@@ -16,9 +16,14 @@ either a legacy algorithm enum or a cuDNN graph-API engine configuration:
                               cudnnBackendKnobType_t without its CUDNN_KNOB_TYPE_ prefix (as
                               cudnn-frontend's KnobType_t spells it), VALUE an integer
 
+    "engine=58,subsampled=1"  ... run as a stride-1 convolution on a copy of the input's strided
+                              samples (`subsampled`, for a strided 1x1 convolution without
+                              padding; a legacy algorithm takes it too)
+
 An engine configuration takes no math mode: the engine decides it. Its knobs are kept sorted by
 name, so that one configuration has one text (the op library writes the same). Which engines and
-knob names a convolution accepts only cuDNN can say: the op checks that when it runs.
+knob names a convolution accepts only cuDNN can say: the op checks that when it runs. A plan's
+micro-batches are all subsampled or none is: they share the op's view of its tensors.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ MATH_TYPES = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 # Number of legacy algorithms per kernel (cuDNN 9's *_ALGO_COUNT).
 ALGORITHM_COUNTS = {FORWARD: 8, BACKPROP_INPUT: 6, BACKPROP_FILTER: 7}
 
-_SYNTAX = "expected 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]'"
+_SYNTAX = ("expected 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', either "
+           "followed by ',subsampled=1'")
 _KNOB_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 # ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -64,7 +70,9 @@ def _is_int(value) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """One cuDNN algorithm choice: a legacy algorithm (`algo`, `math`), a graph-API engine
-    configuration (`engine`, `knobs`), or neither: cuDNN's heuristics choose at run time.
+    configuration (`engine`, `knobs`), or neither: cuDNN's heuristics choose at run time. Either
+    of the first two may run `subsampled`: a strided 1x1 convolution as a stride-1 one on a copy
+    of the input's strided samples.
 
     `knobs` may be given as a mapping or (name, value) pairs; it is kept as pairs sorted by name.
     """
@@ -73,6 +81,7 @@ class Algorithm:
     math: Optional[str] = None
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
+    subsampled: bool = False
 
     def __post_init__(self):
         if self.algo is not None and (not _is_int(self.algo) or self.algo < 0):
@@ -85,6 +94,10 @@ class Algorithm:
             raise ValueError(f"engine must be a non-negative int or None, got {self.engine!r}")
         if self.engine is not None and self.algo is not None:
             raise ValueError("an algorithm is either a legacy algorithm or an engine, not both")
+        if not isinstance(self.subsampled, bool):
+            raise ValueError(f"subsampled must be a bool, got {self.subsampled!r}")
+        if self.subsampled and self.algo is None and self.engine is None:
+            raise ValueError("a subsampled run needs an explicit algorithm or engine")
         pairs = self.knobs.items() if isinstance(self.knobs, Mapping) else self.knobs
         knobs = tuple(sorted((name, value) for name, value in pairs))
         if knobs and self.engine is None:
@@ -109,10 +122,10 @@ class Algorithm:
         """A total order over algorithms (heuristics' choice, legacy ones, then engines), so that
         ties between equally fast candidates never depend on where they came from."""
         if self.engine is not None:
-            return (2, self.engine, "", self.knobs)
+            return (2, self.engine, "", self.knobs, self.subsampled)
         if self.algo is not None:
-            return (1, self.algo, self.math or "", ())
-        return (0, 0, "", ())
+            return (1, self.algo, self.math or "", (), self.subsampled)
+        return (0, 0, "", (), False)
 
     @classmethod
     def parse(cls, text: str) -> "Algorithm":
@@ -125,6 +138,13 @@ class Algorithm:
             if not sep or key.strip() in fields:
                 raise ValueError(f"cannot parse algorithm {text!r}: {_SYNTAX}")
             fields[key.strip()] = value.strip()
+        subsampled = fields.pop("subsampled", None)
+        if subsampled not in (None, "1"):
+            raise ValueError(f"cannot parse algorithm {text!r}: subsampled must be 1 where given")
+        if subsampled and not fields:
+            raise ValueError(f"cannot parse algorithm {text!r}: subsampled needs an algorithm or "
+                             "engine")
+        subsampled = subsampled is not None
         # An algo makes it a legacy algorithm (so "algo=1,engine=2" has an unknown key).
         kind, allowed = ("algo", {"algo", "math"}) if "algo" in fields or "engine" not in fields \
             else ("engine", {"engine", "knobs"})
@@ -133,7 +153,7 @@ class Algorithm:
         if not _INTEGER.fullmatch(fields[kind]):
             raise ValueError(f"cannot parse algorithm {text!r}: {kind} is not an integer")
         if kind == "algo":
-            return cls(algo=int(fields["algo"]), math=fields.get("math"))
+            return cls(algo=int(fields["algo"]), math=fields.get("math"), subsampled=subsampled)
         knobs = []
         if "knobs" in fields:
             for item in fields["knobs"].split("/"):
@@ -142,15 +162,16 @@ class Algorithm:
                     raise ValueError(f"cannot parse algorithm {text!r}: knob {item!r} is not "
                                      "NAME:INTEGER")
                 knobs.append((name.strip(), int(value)))
-        return cls(engine=int(fields["engine"]), knobs=tuple(knobs))
+        return cls(engine=int(fields["engine"]), knobs=tuple(knobs), subsampled=subsampled)
 
     def to_attr(self) -> str:
+        suffix = ",subsampled=1" if self.subsampled else ""
         if self.engine is not None:
             knobs = "/".join(f"{name}:{value}" for name, value in self.knobs)
-            return f"engine={self.engine}" + (f",knobs={knobs}" if knobs else "")
+            return f"engine={self.engine}" + (f",knobs={knobs}" if knobs else "") + suffix
         if self.algo is None:
             return "auto"
-        return f"algo={self.algo}" + (f",math={self.math}" if self.math else "")
+        return f"algo={self.algo}" + (f",math={self.math}" if self.math else "") + suffix
 
     def __str__(self) -> str:
         return self.to_attr()
@@ -170,7 +191,8 @@ WORKSPACE_ATTR = workspace_attr()
 class MicroBatch:
     size: int
     algorithm: Algorithm = Algorithm()
-    # The cuDNN workspace it needs, where profiles tell; what it runs is size and algorithm.
+    # The scratch it needs, where profiles tell: cuDNN's workspace (and a subsampled run's copy of
+    # its input); what it runs is size and algorithm.
     workspace_bytes: Optional[int] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -186,6 +208,12 @@ class KernelPlan:
 
     def __post_init__(self):
         object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
+        if len({mb.algorithm.subsampled for mb in self.micro_batches}) > 1:
+            raise ValueError(f"a plan subsamples all its micro-batches or none: {self}")
+
+    @property
+    def subsampled(self) -> bool:
+        return any(mb.algorithm.subsampled for mb in self.micro_batches)
 
     @classmethod
     def of(cls, *pairs: tuple[int, Optional[int]]) -> "KernelPlan":

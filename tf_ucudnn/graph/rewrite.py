@@ -51,6 +51,7 @@ from tf_ucudnn.graph.fusion import (
     fusion_or_reason,
     xla_compiled,
 )
+from tf_ucudnn.kernels import fused_conv
 from tf_ucudnn.kernels.library import load_ops
 from tf_ucudnn.report import FusedLayer, LeftAlone, NotFused, RewriteReport, RewrittenLayer
 
@@ -227,7 +228,7 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
             nodes = {kernel: _group_depthwise(node_defs, by_name[name], kernel,
                                               forward.inputs[1].shape.as_list(), scope)
                      for kernel, name in nodes.items()}
-        fusion = fusion_or_reason(forward, kept)
+        fusion = fused_conv.plan_refusal(plan) or fusion_or_reason(forward, kept)
         if isinstance(fusion, Fusion) and unfused_because is None:
             fuse_nodes(node_defs, fusion, returns)
             by_name = {node.name: node for node in node_defs}  # the replaced nodes are gone

@@ -540,7 +540,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         path = patched.layer.path
         refusal = (UNFUSED_UNDER_XLA if self.model.jit_compile else
                    UNFUSED_UNDER_MEMORY_BUDGET if self.options.memory_budget is not None else
-                   fusion_refusal(patched.layer))
+                   fusion_refusal(patched.layer) or fused_conv.plan_refusal(patched.plan))
         if refusal is not None:
             report.not_fused.append(NotFused(path, "", refusal))
             return

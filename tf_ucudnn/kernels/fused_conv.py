@@ -36,6 +36,15 @@ _CONVOLUTION_ATTRS = ("strides", "padding", "explicit_paddings", "data_format", 
                       "plan_batch_size")
 
 
+def plan_refusal(plan: LayerPlan) -> Optional[str]:
+    """Why the fused op cannot run a layer planned so, if it cannot: cuDNN's fused call reads the
+    input as it is, so a subsampled forward plan stays with the unfused convolution."""
+    if plan.forward.subsampled:
+        return ("its forward plan runs subsampled (a stride-1 convolution on the input's strided "
+                "samples), which the fused op does not")
+    return None
+
+
 def _fused_conv(num_spatial, x, filters, bias, strides, padding, data_format, dilations,
                 activation, plan, plan_batch_size, name):
     if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:

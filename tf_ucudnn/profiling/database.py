@@ -154,7 +154,8 @@ class ProfileDatabase:
             yield ProfileRecord(device, cudnn_version,
                                 ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
                                 batch_size, algorithm.algo, algorithm.math, time_ms,
-                                workspace_bytes, engine=algorithm.engine, knobs=algorithm.knobs)
+                                workspace_bytes, engine=algorithm.engine, knobs=algorithm.knobs,
+                                subsampled=algorithm.subsampled)
 
     def machines(self) -> list[tuple[str, int]]:
         """The (device, cuDNN version) pairs measured, sorted."""

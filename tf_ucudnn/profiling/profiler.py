@@ -1,8 +1,9 @@
 """Measures cuDNN on the GPU: every algorithm of every kernel of each layer at candidate
 micro-batch sizes, through the UcudnnProfileConvolution op on real buffers: the legacy algorithms
 (cudnnFind*AlgorithmEx, with the math TensorFlow uses for the dtype) and, where asked, the
-graph-API engine configurations cuDNN's heuristics offer (each run between CUDA events). Results
-go to a ProfileDatabase, so each geometry is measured once per machine and cuDNN version.
+graph-API engine configurations cuDNN's heuristics offer (each run between CUDA events). A strided
+1x1 convolution's candidates are measured subsampled too (`tf_ucudnn.core.plan.Algorithm`).
+Results go to a ProfileDatabase, so each geometry is measured once per machine and cuDNN version.
 """
 
 from __future__ import annotations
@@ -87,13 +88,18 @@ def _op_attrs(geometry: ConvGeometry) -> dict:
 
 def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: Machine,
             workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, device: str = "/GPU:0",
-            layer: Optional[str] = None, candidates: str = LEGACY) -> list[ProfileRecord]:
+            layer: Optional[str] = None, candidates: str = LEGACY,
+            subsampled: bool = False) -> list[ProfileRecord]:
     """Times every candidate of one kernel at each micro-batch size, on random data:
-    `candidates` LEGACY (the algorithm enums) or ENGINES (the engine configurations)."""
+    `candidates` LEGACY (the algorithm enums) or ENGINES (the engine configurations), run
+    `subsampled` where asked (the geometry must `can_subsample`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if candidates not in CANDIDATES:
         raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
+    if subsampled and not geometry.can_subsample:
+        raise ValueError(f"only a strided 1x1 convolution without padding runs subsampled, not "
+                         f"{geometry}")
     batch = max(sizes)
     dtype = tf.as_dtype(geometry.dtype)
     with tf.device(device):
@@ -105,7 +111,7 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
         dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
         rows, texts = op_library().ucudnn_profile_convolution(
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
-            candidates=candidates, **_op_attrs(geometry))
+            candidates=candidates, subsampled=subsampled, **_op_attrs(geometry))
     records = []
     for (size, time_ms, workspace, _), text in zip(rows.numpy(), texts.numpy()):
         algorithm = Algorithm.parse(text.decode())
@@ -113,15 +119,18 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
             device=machine.device, cudnn_version=machine.cudnn_version, geometry=geometry,
             kernel=kernel, batch_size=int(size), algo=algorithm.algo, math=algorithm.math,
             time_ms=float(time_ms), workspace_bytes=int(workspace), layer=layer,
-            engine=algorithm.engine, knobs=algorithm.knobs))
+            engine=algorithm.engine, knobs=algorithm.knobs, subsampled=algorithm.subsampled))
     return records
 
 
-def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: str) -> list[int]:
-    """The sizes at which a kernel's timing table has no measurement of that kind of candidate."""
-    wanted_engine = candidates == ENGINES
+def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: str,
+                     subsampled: bool = False) -> list[int]:
+    """The sizes at which a kernel's timing table has no measurement of that kind of candidate
+    (run subsampled or not)."""
+    wanted = (candidates == ENGINES, subsampled)
     return [s for s in sizes
-            if not any(t.algorithm.is_engine == wanted_engine for t in timings.get(s, ()))]
+            if not any((t.algorithm.is_engine, t.algorithm.subsampled) == wanted
+                       for t in timings.get(s, ()))]
 
 
 def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
@@ -134,7 +143,7 @@ def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
     A kernel counts as measured when the database has every candidate size for it: legacy
     algorithms always, and with `engines` (by default: where the op library was built with
     cudnn-frontend) engine configurations too, each kind measured apart, so a database of legacy
-    timings only gains the engines'.
+    timings only gains the engines'; for a geometry that `can_subsample`, each kind subsampled too.
     """
     machine = current_machine(device)
     if engines is None:
@@ -143,15 +152,17 @@ def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
     kinds = (LEGACY, ENGINES) if engines else (LEGACY,)
     todo = []
     for geometry, label in geometries:
+        forms = (False, True) if geometry.can_subsample else (False,)
         for kernel in kernels:
             known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
             for candidates in kinds:
-                missing = unmeasured_sizes(known, sizes, candidates)
-                if missing:
-                    todo.append((geometry, label, kernel, missing, candidates))
+                for subsampled in forms:
+                    missing = unmeasured_sizes(known, sizes, candidates, subsampled)
+                    if missing:
+                        todo.append((geometry, label, kernel, missing, candidates, subsampled))
     added = 0
-    for geometry, label, kernel, missing, candidates in tqdm(
+    for geometry, label, kernel, missing, candidates, subsampled in tqdm(
             todo, desc="profiling cuDNN", unit="kernel", disable=not progress):
         added += database.insert(measure(geometry, kernel, missing, machine, workspace_limit,
-                                         device, label, candidates))
+                                         device, label, candidates, subsampled))
     return added

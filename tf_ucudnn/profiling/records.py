@@ -12,7 +12,8 @@ Records are plain data and travel as JSON lines. Two line layouts are read:
 A line measures either a legacy algorithm (`algo` and `math`) or a cuDNN graph-API engine
 configuration (`engine`, and `knobs` as an object of knob name to value where any are set; see
 `tf_ucudnn.core.plan.Algorithm`). Lines without `engine`, as all written before engines were,
-are legacy algorithms.
+are legacy algorithms. `"subsampled": true` marks a run of a strided 1x1 convolution as a
+stride-1 one on a copy of the input's strided samples (its time and workspace include the copies).
 
 A file that cannot be read or written raises `ProfileFileError`, naming the file (and the line)
 and the reason. `packaged_profiles()` lists the measured profiles shipped with the package.
@@ -80,6 +81,7 @@ class AlgorithmTiming:
     workspace_bytes: int
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
+    subsampled: bool = False
 
     def __post_init__(self):
         # Algorithm checks the fields fit together and keeps knobs in their canonical order.
@@ -89,11 +91,11 @@ class AlgorithmTiming:
     def from_algorithm(cls, algorithm: Algorithm, time_ms: float,
                        workspace_bytes: int) -> "AlgorithmTiming":
         return cls(algorithm.algo, algorithm.math, time_ms, workspace_bytes, algorithm.engine,
-                   algorithm.knobs)
+                   algorithm.knobs, algorithm.subsampled)
 
     @property
     def algorithm(self) -> Algorithm:
-        return Algorithm(self.algo, self.math, self.engine, self.knobs)
+        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.subsampled)
 
 
 # Micro-batch size -> the algorithms measured at that size.
@@ -117,6 +119,7 @@ class ProfileRecord:
     # A graph-API engine configuration instead of a legacy algorithm (as in `Algorithm`).
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
+    subsampled: bool = False  # as in `Algorithm`
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -146,7 +149,7 @@ class ProfileRecord:
 
     @property
     def algorithm(self) -> Algorithm:
-        return Algorithm(self.algo, self.math, self.engine, self.knobs)
+        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.subsampled)
 
     @property
     def timing(self) -> AlgorithmTiming:
@@ -171,6 +174,8 @@ class ProfileRecord:
             data["engine"] = self.engine
             if self.knobs:
                 data["knobs"] = dict(self.knobs)
+        if self.subsampled:
+            data["subsampled"] = True
         data.update({"time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes})
         return data
 
@@ -212,7 +217,8 @@ class ProfileRecord:
         return cls(device=device, cudnn_version=int(cudnn_version), geometry=geometry,
                    kernel=data["kernel"], batch_size=data["batch"],
                    time_ms=float(data["time_ms"]), workspace_bytes=data["workspace_bytes"],
-                   layer=data.get("layer"), **algorithm)
+                   layer=data.get("layer"), subsampled=data.get("subsampled", False),
+                   **algorithm)
 
 
 def read_jsonl(path: PathLike, device: Optional[str] = None,
