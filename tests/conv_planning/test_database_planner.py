@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tf_ucudnn import rewrite
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
+from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.plan import KERNELS, LayerPlan
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
@@ -182,3 +183,25 @@ def test_a_measured_engine_configuration_is_planned_like_a_legacy_algorithm(data
     plan = DatabasePlanner(database, 64 * MIB, machine=H100)(conv2)
     assert str(plan.forward) == "256@engine=12,knobs=SPLIT_K_SLC:2"  # engine 13 needs too much
     assert LayerPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_subsampled_plan_is_no_undivided_plan_and_xla_is_predicted_direct(tmp_path):
+    """A layer whose best plans are undivided but subsampled gains over TensorFlow's own op, and
+    XLA's convolution is predicted from direct runs only (XLA does not subsample)."""
+    layer = ConvLayer("shortcut", "Conv2D", (8, 256, 56, 56), (1, 1, 256, 512),
+                      strides=(1, 1, 2, 2), dilations=(1, 1, 1, 1), padding="VALID",
+                      explicit_paddings=(), data_format="NCHW", dtype="float32")
+    geometry = layer.cudnn_geometry()
+    assert geometry.can_subsample
+    records = [ProfileRecord(H100.device, H100.cudnn_version, geometry, kernel, 8, 1, "default",
+                             time_ms, 0, subsampled=subsampled)
+               for kernel in KERNELS for time_ms, subsampled in ((2.0, False), (1.0, True))]
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        database.insert(records)
+        plan = DatabasePlanner(database, 64 * MIB, machine=H100,
+                               leave_undivided_to_tensorflow=True)(layer)
+        assert isinstance(plan, LayerPlan)
+        assert all(plan.kernel(kernel).subsampled and plan.kernel(kernel).sizes == (8,)
+                   for kernel in KERNELS)
+        prediction = DatabasePlanner(database, 64 * MIB, machine=H100).predict(layer, plan)
+        assert (prediction.xla_ms, prediction.plan_ms) == (6.0, 3.0)

@@ -207,7 +207,8 @@ class DatabasePlanner:
         else:
             plan = self._plan_alone(layer)
         if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
-                len(kernel_plan.micro_batches) == 1 for kernel_plan in
+                len(kernel_plan.micro_batches) == 1 and not kernel_plan.subsampled
+                for kernel_plan in
                 (plan.forward, plan.backprop_input, plan.backprop_filter)):
             return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
         if isinstance(plan, LayerPlan) and self.compare_with_xla:
