@@ -64,7 +64,8 @@ def main():
     parser.add_argument("--link-gb-s", type=float, nargs=2, default=[25.0, 25.0])
     parser.add_argument("--repeats", type=int, default=1,
                         help="train the callback's 4x batch this many times, each in a fresh "
-                        "process (keras_callback_repeats; keras_callback_trained counts them)")
+                        "process (keras_callback_repeats; keras_callback_trained counts them); 0: "
+                        "none (with --tune, the tuned batch only where it is another)")
     parser.add_argument("--tune", type=float, nargs="*", default=[], metavar="FACTOR",
                         help="also tune the batch among these multiples of Keras's batch")
     parser.add_argument("--callback-options", nargs=argparse.REMAINDER, default=[],
@@ -84,8 +85,9 @@ def main():
         if fit["largest_batch_tried"]:
             batch = args.factor * fit["largest_batch_tried"]
             budget = int(args.budget_fraction * args.memory_limit_gib * (1 << 30))
-            entry["keras_callback"] = train_with_callback(name, batch, budget, fit, args,
-                                                          environment)
+            if args.repeats > 0:
+                entry["keras_callback"] = train_with_callback(name, batch, budget, fit, args,
+                                                              environment)
             if args.repeats > 1:  # robust near the budget: each run a fresh process
                 entry["keras_callback_repeats"] = [entry["keras_callback"]] + [
                     train_with_callback(name, batch, budget, fit, args, environment)

@@ -41,3 +41,16 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
                                       key=lambda t: t["images_per_second"])["batch_size"]
     # The callback trains the tuner's pick too, unless it is the 4x batch already measured.
     assert ("keras_callback_tuned" in entry) == (tuned["best_batch"] != 32)
+
+
+def test_repeats_zero_tunes_without_training_the_4x_batch(tmp_path):
+    out = tmp_path / "results.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "keras_beyond_memory.py"),
+                    "--models", "smoke", "--tries", "1", "--steps", "2", "--tune", "1", "4",
+                    "--repeats", "0", "--out", str(out)], check=True, capture_output=True,
+                   timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    entry = json.loads(out.read_text())["models"]["smoke"]
+    assert "keras_callback" not in entry and "keras_callback_repeats" not in entry
+    tuned = entry["keras_tuned"]
+    assert [t["batch_size"] for t in tuned["trials"]] == [8, 32]
+    assert ("keras_callback_tuned" in entry) == (tuned["best_batch"] != 32)
