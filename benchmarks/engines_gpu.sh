@@ -9,7 +9,7 @@
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/engines_gpu.sh start
 #   bash benchmarks/engines_gpu.sh wait SECONDS        (until it says "finished")
-# Each call copies the logs and the results so far to $OUT.
+# Each call copies the logs and the results so far to $OUT, as one archive.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . benchmarks/background_run.sh
@@ -37,9 +37,10 @@ case ${1:-} in
     ;;
   wait)
     background_wait "$run" "${2:-500}"
-    cp "$run"/*.txt "$run"/*.log "$run"/*.json "$run"/*.sqlite "$out"/ 2>/dev/null
-    tail -3 "$run/tests.log" 2>/dev/null
-    tail -12 "$run/microbatch_speedup.log" 2>/dev/null
+    # One archive: the device tool brings back only a few files a call.
+    (cd "$run" && tar czf "$out/engines_run.tgz" $(ls *.txt *.log *.json *.sqlite 2>/dev/null))
+    grep -E "passed|failed|error" "$run/tests.log" 2>/dev/null | tail -3
+    grep -v "^W0000\|^I0000\|^WARNING" "$run/microbatch_speedup.log" 2>/dev/null | tail -12
     ;;
   *)
     echo "usage: $0 start | wait SECONDS"; exit 2 ;;
