@@ -124,8 +124,8 @@ absl::Status CudnnConvolution::ZeroResultOfEmptyBatch() {
   return absl::OkStatus();
 }
 
-// Bytes of the workspace, cuDNN's copy of the filter, the padded (transposed, subsampled) input, the
-// transposed output, in the order AllocateBuffers takes them.
+// Bytes of the workspace, cuDNN's copy of the filter, its copy of the input (padded, transposed or
+// subsampled), the transposed output, in the order AllocateBuffers takes them.
 std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const {
   int64_t largest = 0;
   for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);

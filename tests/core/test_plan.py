@@ -203,7 +203,8 @@ def test_order_key_orders_auto_legacy_then_engines():
 @pytest.mark.parametrize("algorithm, text", [
     (Algorithm(1, subsampled=True), "algo=1,subsampled=1"),
     (Algorithm(0, "tensor_op", subsampled=True), "algo=0,math=tensor_op,subsampled=1"),
-    (Algorithm(engine=4, knobs={"TILEK": 1}, subsampled=True), "engine=4,knobs=TILEK:1,subsampled=1"),
+    (Algorithm(engine=4, knobs={"TILEK": 1}, subsampled=True),
+     "engine=4,knobs=TILEK:1,subsampled=1"),
 ], ids=str)
 def test_subsampled_algorithms_round_trip(algorithm, text):
     assert algorithm.to_attr() == text
