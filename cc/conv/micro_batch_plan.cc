@@ -167,13 +167,17 @@ std::string AlgorithmSpec::ToString() const {
   return text;
 }
 
-bool CanSubsample(const ConvGeometry& g) {
-  bool strided = false;
+absl::Status CheckSubsamplable(const ConvGeometry& g) {
+  bool strided = false, one_tap_unpadded = true;
   for (int i = 0; i < g.num_spatial_dims(); ++i) {
-    if (g.filter_spatial[i] != 1 || g.pad_before[i] != 0 || g.pad_after[i] != 0) return false;
+    one_tap_unpadded = one_tap_unpadded && g.filter_spatial[i] == 1 && g.pad_before[i] == 0 &&
+                       g.pad_after[i] == 0;
     strided = strided || g.strides[i] > 1;
   }
-  return strided;
+  if (strided && one_tap_unpadded) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a subsampled convolution needs a 1x1 filter, no padding and a stride above 1, not ",
+      g.DebugString()));
 }
 
 absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
@@ -186,12 +190,7 @@ absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>
           *subsampled ? "is" : "is not", ": a plan subsamples all its micro-batches or none"));
     }
   }
-  if (*subsampled && !CanSubsample(g)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the plan runs subsampled, which needs a 1x1 filter, no padding and a stride above 1; "
-        "the convolution is ", g.DebugString()));
-  }
-  return absl::OkStatus();
+  return *subsampled ? CheckSubsamplable(g) : absl::OkStatus();
 }
 
 absl::Status MicroBatchPlan::FromAttrs(ConvKernel kernel, const std::vector<int64_t>& sizes,

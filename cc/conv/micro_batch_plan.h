@@ -36,7 +36,7 @@ struct AlgorithmSpec {
   // (-1: none) and its knob choices, sorted by name. Names are checked by cuDNN when it runs.
   int64_t engine = -1;
   std::vector<EngineKnob> knobs;
-  // Run as a stride-1 convolution on a copy of the input's strided samples (CanSubsample).
+  // Run as a stride-1 convolution on a copy of the input's strided samples (CheckSubsamplable).
   bool subsampled = false;
 
   bool is_engine() const { return engine >= 0; }
@@ -75,9 +75,10 @@ class MicroBatchPlan {
   std::vector<AlgorithmSpec> algorithms_;
 };
 
-// Whether a convolution can run subsampled: a filter of one tap in every spatial dimension, no
-// padding, and a stride above one (the strided samples are then all the output reads).
-bool CanSubsample(const ConvGeometry& g);
+// Whether a convolution can run subsampled, else why not: it needs a filter of one tap in every
+// spatial dimension, no padding, and a stride above one (the strided samples are then all the
+// output reads).
+absl::Status CheckSubsamplable(const ConvGeometry& g);
 
 // Whether `micro_batches` of a convolution of `g` run subsampled. All of a plan's micro-batches do
 // or none does (they share cuDNN's view of the tensors); a plan that mixes them, or subsamples a

@@ -81,22 +81,14 @@ absl::Status CudnnConvolution::Descriptors(int64_t size, SizeDescriptors** out) 
   return absl::OkStatus();
 }
 
-// The layout was chosen for the whole plan: each micro-batch must have been planned for it.
+// The layout was chosen for the whole plan: the plan must run as the layout does.
 absl::Status CudnnConvolution::CheckSubsampling() const {
-  if (layout_.subsampled() && !CanSubsample(g_)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a subsampled convolution needs a 1x1 filter, no padding and a stride above 1, not ",
-        g_.DebugString()));
-  }
-  for (size_t i = 0; i < micro_batches_.size(); ++i) {
-    if (micro_batches_[i].algorithm.subsampled != layout_.subsampled()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          Where(i), layout_.subsampled()
-                        ? " is not planned subsampled, where the rest of its plan is"
-                        : " is planned subsampled, which this op does not run"));
-    }
-  }
-  return absl::OkStatus();
+  bool planned = false;
+  TF_RETURN_IF_ERROR(PlanSubsamples(g_, micro_batches_, &planned));
+  if (planned == layout_.subsampled()) return absl::OkStatus();
+  return absl::InvalidArgumentError(planned
+                                        ? "the plan runs subsampled, which this op does not"
+                                        : "the plan does not run subsampled, as this op does");
 }
 
 absl::Status CudnnConvolution::ResolveAll(std::vector<ResolvedCall>* calls,

@@ -78,7 +78,7 @@ CudnnLayout::CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, bool subsa
   const int nd = g.num_spatial_dims();
   symmetric_padding_.assign(nd, 0);
   extra_before_.assign(nd, 0);
-  if (subsampled_) {  // no padding (CanSubsample): the strided samples are the output's positions
+  if (subsampled_) {  // no padding (CheckSubsamplable): the strided samples are the output's positions
     padded_spatial_ = g.output_spatial;
     strides_.assign(nd, 1);
     needs_input_copy_ = true;

@@ -19,13 +19,13 @@ namespace tf_ucudnn {
 // transposed on their way in and out. Dims are in cuDNN's logical order: [N, C, spatial...] for
 // tensors, [K, C / groups, spatial...] for filters (the groups are the convolution descriptor's).
 //
-// A subsampled layout runs a strided convolution of a 1x1 filter without padding (CanSubsample)
-// as a stride-1 convolution on a copy of the input's strided samples: cuDNN's strided kernels for
-// it are slow within a small workspace, its stride-1 ones are GEMMs. The input gradient's other
-// samples are zero.
+// A subsampled layout runs a strided convolution of a 1x1 filter without padding
+// (CheckSubsamplable) as a stride-1 convolution on a copy of the input's strided samples: cuDNN's
+// strided kernels for it are slow within a small workspace, its stride-1 ones are GEMMs. The input
+// gradient's other samples are zero.
 class CudnnLayout {
  public:
-  // `g` must outlive the layout; `subsampled` needs CanSubsample(g).
+  // `g` must outlive the layout; `subsampled` needs CheckSubsamplable(g).
   CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, bool subsampled = false);
 
   bool channels_last() const { return channels_last_; }  // the layout cuDNN sees

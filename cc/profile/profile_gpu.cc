@@ -52,11 +52,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     absl::Status status =
         ComputeConvGeometry(attrs_, Dims(input.shape()), Dims(filter.shape()), &geometry);
     if (status.ok()) status = CheckOutputShape(geometry, Dims(out_backprop.shape()));
-    if (status.ok() && subsampled_ && !CanSubsample(geometry)) {
-      status = absl::InvalidArgumentError(absl::StrCat(
-          "subsampled needs a 1x1 filter, no padding and a stride above 1, not ",
-          geometry.DebugString()));
-    }
+    if (status.ok() && subsampled_) status = CheckSubsamplable(geometry);
     std::vector<AlgorithmMeasurement> measurements;
     if (status.ok()) {
       const ConvBuffers<void> buffers{const_cast<T*>(input.flat<T>().data()),
