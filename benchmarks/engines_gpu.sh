@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # cuDNN's engine configurations on a lent GPU (after TensorFlow was carried there, with the op
 # library built with cudnn-frontend in tf_ucudnn/ or built there by .ci/gpu-env.sh): the GPU
-# tests of the cuDNN paths first (TESTS, default: engines, profiler, fused op, self-check, ops;
-# set it empty to skip them), then microbatch_speedup.py (MODELS at batch 256, LIMITS MiB per
+# tests of the cuDNN paths first (TESTS, default: engines, forms, profiler, fused op, self-check,
+# ops; set it empty to skip them), then microbatch_speedup.py (MODELS at batch 256, LIMITS MiB per
 # kernel) with legacy algorithms and engine configurations, side by side with TensorFlow's own
 # ops. DATABASE names a profile database to measure into (default: a new one in the run's folder);
 # GPU_TIMES=1 adds each kernel's GPU time from TensorFlow's profiler.
@@ -20,8 +20,9 @@ mkdir -p "$out"
 session() {
   { nvidia-smi -L; python3 -c "import tf_ucudnn.kernels.library as l; \
 print('engines available:', l.engines_available())"; } > "$run/device.txt" 2>&1
-  local tests=${TESTS-tests/kernels/test_cudnn_engines.py tests/profiling/test_profiler.py \
-    tests/kernels/test_fused_conv.py tests/kernels/test_self_check.py tests/kernels/test_ops.py}
+  local tests=${TESTS-tests/kernels/test_cudnn_engines.py tests/kernels/test_forms.py \
+    tests/profiling/test_profiler.py tests/kernels/test_fused_conv.py \
+    tests/kernels/test_self_check.py tests/kernels/test_ops.py}
   [ -n "$tests" ] && timeout "${TEST_TIMEOUT_S:-900}" python3 -m pytest $tests -m gpu -q -rs \
     -p no:cacheprovider > "$run/tests.log" 2>&1
   python3 benchmarks/microbatch_speedup.py --models ${MODELS:-alexnet resnet50 mobilenet_v2} \

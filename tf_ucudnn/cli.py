@@ -55,7 +55,7 @@ from tf_ucudnn.conv_planning.plan_report import PlanReport, kernel_limit_report,
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.files import written_whole
-from tf_ucudnn.core.plan import KERNELS
+from tf_ucudnn.core.plan import DIRECT, KERNELS
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
@@ -112,11 +112,11 @@ def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine:
 
     def options(undivided: bool):
         # The baseline: one call per kernel, as TensorFlow's own convolution runs it.
-        sizes, form = ([batch_size], False) if undivided else (None, None)
+        sizes, form = ([batch_size], DIRECT) if undivided else (None, None)
         return [KernelOptions(layer, kernel, pareto_configurations(
                     kernel, timings, batch_size, deterministic_only=deterministic,
                     micro_batch_sizes=sizes, call_overhead_ms=call_overhead_ms,
-                    subsampled=form),
+                    form=form),
                     (live_bytes or {}).get((layer, kernel), 0))
                 for (layer, kernel), timings in tables.items()]
 

@@ -53,10 +53,10 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   if (micro_batches.empty() || HasZeroSize(call->geometry)) return absl::OkStatus();
   PlanningResources resources(call->op_name);
   std::vector<ResolvedCall> resolved;
-  bool subsampled = false;
-  TF_RETURN_IF_ERROR(PlanSubsamples(call->geometry, micro_batches, &subsampled));
+  ConvForm form = ConvForm::kDirect;
+  TF_RETURN_IF_ERROR(PlanForm(call->geometry, micro_batches, &form));
   TF_RETURN_IF_ERROR(CudnnConvolution(&resources, call->kernel, call->geometry, type,
-                                      ConvBuffers<void>{}, subsampled)
+                                      ConvBuffers<void>{}, form)
                          .Prepare(micro_batches, &resolved, &call->scratch_bytes));
   for (size_t i = 0; i < resolved.size(); ++i) {
     AlgorithmSpec& spec = call->micro_batches[i].algorithm;

@@ -116,8 +116,9 @@ class UcudnnConvOp : public tensorflow::OpKernel {
     std::vector<MicroBatch> micro_batches;
     status = PlanFor(plan_, plan_batch_size_, geometry.batch)
                  .Resolve(geometry.batch, &micro_batches);
-    bool subsampled = false;  // checked on every device, though only cuDNN's kernels subsample
-    if (status.ok()) status = PlanSubsamples(geometry, micro_batches, &subsampled);
+    // Checked on every device, though only cuDNN's kernels take a form other than direct.
+    ConvForm form = ConvForm::kDirect;
+    if (status.ok()) status = PlanForm(geometry, micro_batches, &form);
     OP_REQUIRES(ctx, status.ok(), Describe(status));
 
     tensorflow::Tensor* result = nullptr;

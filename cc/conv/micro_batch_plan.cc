@@ -17,6 +17,8 @@ namespace tf_ucudnn {
 namespace {
 
 const char* const kMathNames[] = {"default", "tensor_op", "tensor_op_allow_conversion", "fma"};
+constexpr ConvForm kForms[] = {ConvForm::kDirect, ConvForm::kSubsampled,
+                                ConvForm::kSpaceToDepth};
 
 // Knob names as plan.py takes them: an upper-case letter, then upper-case letters, digits, '_'.
 bool IsKnobName(absl::string_view name) {
@@ -40,6 +42,18 @@ const char* AlgorithmEnumName(ConvKernel kernel) {
 
 }  // namespace
 
+const char* FormName(ConvForm form) {
+  switch (form) {
+    case ConvForm::kDirect:
+      return "direct";
+    case ConvForm::kSubsampled:
+      return "subsampled";
+    case ConvForm::kSpaceToDepth:
+      return "space_to_depth";
+  }
+  return "?";
+}
+
 int AlgorithmCount(ConvKernel kernel) {
   switch (kernel) {
     case ConvKernel::kForward:
@@ -61,7 +75,7 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot parse algorithm '", text, "': ", why,
         " (expected 'auto', 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', "
-        "either followed by ',subsampled=1')"));
+        "either followed by ',subsampled=1' or ',space_to_depth=1')"));
   };
   std::map<std::string, std::string> fields;
   for (absl::string_view item : absl::StrSplit(trimmed, ',')) {
@@ -72,12 +86,18 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
       return syntax_error(absl::StrCat("'", key, "' given twice"));
     }
   }
-  auto subsampled = fields.find("subsampled");
-  if (subsampled != fields.end()) {
-    if (subsampled->second != "1") return syntax_error("subsampled must be 1 where given");
-    fields.erase(subsampled);
-    if (fields.empty()) return syntax_error("subsampled needs an algorithm or engine");
-    spec->subsampled = true;
+  for (ConvForm form : kForms) {
+    auto flag = fields.find(FormName(form));
+    if (form == ConvForm::kDirect || flag == fields.end()) continue;
+    if (flag->second != "1") {
+      return syntax_error(absl::StrCat(flag->first, " must be 1 where given"));
+    }
+    if (spec->form != ConvForm::kDirect) return syntax_error("more than one form given");
+    fields.erase(flag);
+    spec->form = form;
+  }
+  if (spec->form != ConvForm::kDirect && fields.empty()) {
+    return syntax_error(absl::StrCat(FormName(spec->form), " needs an algorithm or engine"));
   }
   // An algo makes it a legacy algorithm, as in plan.py ("algo=1,engine=2" has an unknown key).
   const bool engine_form = fields.count("engine") > 0 && fields.count("algo") == 0;
@@ -163,34 +183,53 @@ std::string AlgorithmSpec::ToString() const {
       absl::StrAppend(&text, ",math=", kMathNames[static_cast<int>(math)]);
     }
   }
-  if (subsampled) absl::StrAppend(&text, ",subsampled=1");
+  if (form != ConvForm::kDirect) absl::StrAppend(&text, ",", FormName(form), "=1");
   return text;
 }
 
-absl::Status CheckSubsamplable(const ConvGeometry& g) {
-  bool strided = false, one_tap_unpadded = true;
-  for (int i = 0; i < g.num_spatial_dims(); ++i) {
+absl::Status CheckForm(const ConvGeometry& g, ConvForm form) {
+  const int nd = g.num_spatial_dims();
+  bool strided = false, one_tap_unpadded = true, one_tap = true, undilated = true;
+  for (int i = 0; i < nd; ++i) {
     one_tap_unpadded = one_tap_unpadded && g.filter_spatial[i] == 1 && g.pad_before[i] == 0 &&
                        g.pad_after[i] == 0;
+    one_tap = one_tap && g.filter_spatial[i] == 1;
     strided = strided || g.strides[i] > 1;
+    undilated = undilated && g.dilations[i] == 1;
   }
-  if (strided && one_tap_unpadded) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "a subsampled convolution needs a 1x1 filter, no padding and a stride above 1, not ",
-      g.DebugString()));
+  switch (form) {
+    case ConvForm::kDirect:
+      return absl::OkStatus();
+    case ConvForm::kSubsampled:
+      if (strided && one_tap_unpadded) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a subsampled convolution needs a 1x1 filter, no padding and a stride above 1, not ",
+          g.DebugString()));
+    case ConvForm::kSpaceToDepth:
+      if (nd == 2 && g.strides[0] > 1 && g.strides[0] == g.strides[1] && !one_tap && undilated &&
+          g.groups == 1) {
+        return absl::OkStatus();
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a convolution in space-to-depth blocks needs two spatial dimensions, one stride above "
+          "1 in both, a filter of more than one tap, no dilation and no groups, not ",
+          g.DebugString()));
+  }
+  return absl::InvalidArgumentError("unknown form");
 }
 
-absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
-                            bool* subsampled) {
-  *subsampled = !micro_batches.empty() && micro_batches[0].algorithm.subsampled;
+absl::Status PlanForm(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
+                      ConvForm* form) {
+  *form = micro_batches.empty() ? ConvForm::kDirect : micro_batches[0].algorithm.form;
   for (size_t i = 1; i < micro_batches.size(); ++i) {
-    if (micro_batches[i].algorithm.subsampled != *subsampled) {
+    if (micro_batches[i].algorithm.form != *form) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "micro-batch ", i, " is ", *subsampled ? "not " : "", "subsampled but micro-batch 0 ",
-          *subsampled ? "is" : "is not", ": a plan subsamples all its micro-batches or none"));
+          "micro-batch ", i, " runs ", FormName(micro_batches[i].algorithm.form),
+          " but micro-batch 0 ", FormName(*form), ": all of a plan's micro-batches run in one "
+          "form"));
     }
   }
-  return *subsampled ? CheckSubsamplable(g) : absl::OkStatus();
+  return CheckForm(g, *form);
 }
 
 absl::Status MicroBatchPlan::FromAttrs(ConvKernel kernel, const std::vector<int64_t>& sizes,

@@ -25,6 +25,14 @@ enum class MathMode : int {
   kFma = 3,
 };
 
+// How cuDNN is given a convolution (cc/cudnn/layout.h): as it is; as a stride-1 convolution on a
+// copy of its input's strided samples (a 1x1 filter); or as a stride-1 convolution on a copy of
+// its input in space-to-depth blocks of the stride (a strided filter over few channels).
+enum class ConvForm : int { kDirect = 0, kSubsampled = 1, kSpaceToDepth = 2 };
+
+// The form's name, as a plan's algorithm text flags it (",subsampled=1", ",space_to_depth=1").
+const char* FormName(ConvForm form);
+
 // A knob of a graph-API engine configuration: its KnobType_t name (SPLIT_K_SLC, ...) and value.
 using EngineKnob = std::pair<std::string, int64_t>;
 
@@ -36,8 +44,7 @@ struct AlgorithmSpec {
   // (-1: none) and its knob choices, sorted by name. Names are checked by cuDNN when it runs.
   int64_t engine = -1;
   std::vector<EngineKnob> knobs;
-  // Run as a stride-1 convolution on a copy of the input's strided samples (CheckSubsamplable).
-  bool subsampled = false;
+  ConvForm form = ConvForm::kDirect;  // the convolution's form (CheckForm)
 
   bool is_engine() const { return engine >= 0; }
 
@@ -75,16 +82,17 @@ class MicroBatchPlan {
   std::vector<AlgorithmSpec> algorithms_;
 };
 
-// Whether a convolution can run subsampled, else why not: it needs a filter of one tap in every
-// spatial dimension, no padding, and a stride above one (the strided samples are then all the
-// output reads).
-absl::Status CheckSubsamplable(const ConvGeometry& g);
+// Whether a convolution can run in `form`, else why not. Subsampled, it needs a filter of one tap
+// in every spatial dimension, no padding, and a stride above one (the strided samples are then all
+// the output reads). In space-to-depth blocks, two spatial dimensions, one stride above one in
+// both, a filter of more than one tap, no dilation and no groups.
+absl::Status CheckForm(const ConvGeometry& g, ConvForm form);
 
-// Whether `micro_batches` of a convolution of `g` run subsampled. All of a plan's micro-batches do
-// or none does (they share cuDNN's view of the tensors); a plan that mixes them, or subsamples a
-// convolution that cannot be, is an error.
-absl::Status PlanSubsamples(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
-                            bool* subsampled);
+// The form `micro_batches` of a convolution of `g` run in. All of a plan's micro-batches share it
+// (they share cuDNN's view of the tensors); a plan that mixes forms, or gives a convolution a form
+// it cannot take, is an error.
+absl::Status PlanForm(const ConvGeometry& g, const std::vector<MicroBatch>& micro_batches,
+                      ConvForm* form);
 
 // Number of legacy cuDNN algorithms for a kernel (cuDNN 9's *_ALGO_COUNT).
 int AlgorithmCount(ConvKernel kernel);

@@ -17,12 +17,12 @@ namespace tf_ucudnn {
 
 CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
                                    const ConvGeometry& g, cudnnDataType_t type,
-                                   ConvBuffers<void> buffers, bool subsampled)
+                                   ConvBuffers<void> buffers, ConvForm form)
     : resources_(resources),
       kernel_(kernel),
       g_(g),
       type_(type),
-      layout_(g, type, subsampled),
+      layout_(g, type, form),
       buffers_(buffers) {}
 
 absl::Status CudnnConvolution::Prepare(const std::vector<MicroBatch>& micro_batches,
@@ -82,18 +82,18 @@ absl::Status CudnnConvolution::Descriptors(int64_t size, SizeDescriptors** out) 
 }
 
 // The layout was chosen for the whole plan: the plan must run as the layout does.
-absl::Status CudnnConvolution::CheckSubsampling() const {
-  bool planned = false;
-  TF_RETURN_IF_ERROR(PlanSubsamples(g_, micro_batches_, &planned));
-  if (planned == layout_.subsampled()) return absl::OkStatus();
-  return absl::InvalidArgumentError(planned
-                                        ? "the plan runs subsampled, which this op does not"
-                                        : "the plan does not run subsampled, as this op does");
+absl::Status CudnnConvolution::CheckForm() const {
+  ConvForm planned = ConvForm::kDirect;
+  TF_RETURN_IF_ERROR(PlanForm(g_, micro_batches_, &planned));
+  if (planned == layout_.form()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("the plan runs ", FormName(planned),
+                                                 ", but this convolution runs ",
+                                                 FormName(layout_.form())));
 }
 
 absl::Status CudnnConvolution::ResolveAll(std::vector<ResolvedCall>* calls,
                                           size_t* workspace_bytes) {
-  TF_RETURN_IF_ERROR(CheckSubsampling());
+  TF_RETURN_IF_ERROR(CheckForm());
   TF_RETURN_IF_ERROR(Begin());
   calls->clear();
   *workspace_bytes = 0;
@@ -117,15 +117,15 @@ absl::Status CudnnConvolution::ZeroResultOfEmptyBatch() {
 }
 
 // Bytes of the workspace, cuDNN's copy of the filter, its copy of the input (padded, transposed or
-// subsampled), the transposed output, in the order AllocateBuffers takes them.
+// in another form), the transposed output, in the order AllocateBuffers takes them.
 std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const {
   int64_t largest = 0;
   for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
   const size_t element = ElementSize(type_);
-  return {workspace_bytes, g_.FilterSize() * element,
+  return {workspace_bytes, layout_.FilterElements() * element,
           layout_.needs_input_copy() ? largest * layout_.PaddedInputSampleSize() * element : 0,
           layout_.transposed() ? largest * g_.OutputSampleSize() * element : 0,
-          AccumulatesEngineFilters() ? g_.FilterSize() * element : 0};
+          AccumulatesEngineFilters() ? layout_.FilterElements() * element : 0};
 }
 
 // Whether an engine computes a filter gradient after the first micro-batch's: engines have no
@@ -249,11 +249,11 @@ absl::Status CudnnConvolution::CopyResultBack(size_t index, void* cudnn_input, v
   return absl::OkStatus();
 }
 
-// A micro-batch's input gradient, from cuDNN's copy to the op's tensor; subsampled, the samples
-// the convolution skips get zeros.
+// A micro-batch's input gradient, from cuDNN's copy to the op's tensor; the input a form leaves out
+// (the convolution does not read it) gets zeros.
 absl::Status CudnnConvolution::CopyInputGradientBack(int64_t size, void* cudnn_input,
                                                      void* input) {
-  if (layout_.subsampled()) {
+  if (!layout_.covers_input()) {
     TF_UCUDNN_RETURN_IF_CUDA_ERROR(
         cudaMemsetAsync(input, 0, size * g_.InputSampleSize() * ElementSize(type_), stream_),
         "cudaMemsetAsync");
@@ -280,8 +280,8 @@ absl::Status CudnnConvolution::ExecuteEngineCall(size_t index, void* cudnn_input
   }
   if (!beside) return absl::OkStatus();
   TF_UCUDNN_RETURN_IF_CUDA_ERROR(
-      LaunchAccumulate(engine_filter_, cudnn_filter_, g_.FilterSize(), AccumulatedTypeOf(type_),
-                       stream_),
+      LaunchAccumulate(engine_filter_, cudnn_filter_, layout_.FilterElements(),
+                       AccumulatedTypeOf(type_), stream_),
       absl::StrCat(Where(index), ": adding its filter gradient"));
   return absl::OkStatus();
 }
@@ -317,10 +317,9 @@ absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
         "cudaMemsetAsync");
     return absl::OkStatus();
   }
-  bool subsampled = false;
-  TF_RETURN_IF_ERROR(PlanSubsamples(geometry, micro_batches, &subsampled));
-  return CudnnConvolution(resources, kernel, geometry, type, buffers, subsampled)
-      .Run(micro_batches);
+  ConvForm form = ConvForm::kDirect;
+  TF_RETURN_IF_ERROR(PlanForm(geometry, micro_batches, &form));
+  return CudnnConvolution(resources, kernel, geometry, type, buffers, form).Run(micro_batches);
 }
 
 }  // namespace tf_ucudnn

@@ -49,10 +49,11 @@ struct AlgorithmMeasurement {
 class CudnnConvolution {
  public:
   // `buffers` are the op's tensors, of `type` elements; Run writes the one its kernel computes,
-  // Profile none. `g` must outlive the convolution. A `subsampled` convolution (CudnnLayout) runs
-  // only micro-batches planned so, and profiles them so.
+  // Profile none. `g` must outlive the convolution. It runs in one `form` (CudnnLayout): only
+  // micro-batches planned in it, and profiles in it.
   CudnnConvolution(ConvResources* resources, ConvKernel kernel, const ConvGeometry& g,
-                   cudnnDataType_t type, ConvBuffers<void> buffers, bool subsampled = false);
+                   cudnnDataType_t type, ConvBuffers<void> buffers,
+                   ConvForm form = ConvForm::kDirect);
 
   // Resolves each micro-batch's call (its algorithm made explicit) and the device memory the
   // calls need together, without running anything: an XLA custom call is sized this way when it
@@ -65,8 +66,8 @@ class CudnnConvolution {
   // Times every candidate cuDNN can run at each micro-batch size with up to `workspace_limit`
   // bytes of workspace, on real buffers: the legacy algorithms (cudnnFind*AlgorithmEx, with
   // TensorFlow's math for this type) or the engine configurations. A micro-batch of size n uses
-  // the first n samples; results go to scratch buffers. Subsampled, each time includes the
-  // micro-batch's copies and each workspace the copy of its input.
+  // the first n samples; results go to scratch buffers. In a form other than direct, each time
+  // includes the micro-batch's copies and each workspace the copy of its input.
   absl::Status Profile(const std::vector<int64_t>& sizes, size_t workspace_limit,
                        ProfiledCandidates candidates,
                        std::vector<AlgorithmMeasurement>* measurements);
@@ -81,7 +82,7 @@ class CudnnConvolution {
   // convolution.cc: descriptors, memory and execution.
   absl::Status Begin();
   absl::Status Descriptors(int64_t size, SizeDescriptors** out);
-  absl::Status CheckSubsampling() const;
+  absl::Status CheckForm() const;
   absl::Status ResolveAll(std::vector<ResolvedCall>* calls, size_t* workspace_bytes);
   absl::Status ZeroResultOfEmptyBatch();
   std::vector<size_t> BufferSizes(size_t workspace_bytes) const;
@@ -115,7 +116,7 @@ class CudnnConvolution {
   absl::Status TimeEngines(void* cudnn_input, void* cudnn_output, void* workspace,
                            size_t workspace_bytes, int64_t size,
                            std::vector<AlgorithmMeasurement>* measurements);
-  absl::Status TimeSubsamplingCopies(int64_t size, void* cudnn_input, float* time_ms);
+  absl::Status TimeFormCopies(int64_t size, void* cudnn_input, float* time_ms);
 
   ConvResources* resources_;
   const ConvKernel kernel_;
@@ -134,7 +135,7 @@ class CudnnConvolution {
   // Device memory from the resources, in the order BufferSizes gives them.
   void* workspace_ = nullptr;
   void* cudnn_filter_ = nullptr;
-  void* cudnn_input_ = nullptr;   // padded, transposed or subsampled
+  void* cudnn_input_ = nullptr;   // padded, transposed or in another form
   void* cudnn_output_ = nullptr;  // transposed
   // A micro-batch's filter gradient from an engine, which overwrites its output, before it is
   // added to the others'.

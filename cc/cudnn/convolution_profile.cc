@@ -14,7 +14,7 @@
 namespace tf_ucudnn {
 namespace {
 
-// Runs per engine configuration (and per subsampling copy) after its warm-up; the median is kept.
+// Runs per engine configuration (and per form's copy) after its warm-up; the median is kept.
 constexpr int kEngineTimingRepeats = 5;
 
 }  // namespace
@@ -39,7 +39,7 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   if (kernel_ == ConvKernel::kForward && !layout_.transposed()) {
     TF_RETURN_IF_ERROR(AllocateElements(largest * g_.OutputSampleSize(), &buffers_.output));
   } else if (kernel_ == ConvKernel::kBackpropInput &&
-             (!layout_.needs_input_copy() || layout_.subsampled())) {
+             (!layout_.needs_input_copy() || layout_.form() != ConvForm::kDirect)) {
     TF_RETURN_IF_ERROR(AllocateElements(largest * g_.InputSampleSize(), &buffers_.input));
   }
   if (kernel_ != ConvKernel::kBackpropFilter) {
@@ -62,15 +62,15 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
       TF_RETURN_IF_ERROR(
           Find(*d, cudnn_input, cudnn_output, workspace, workspace_limit, size, measurements));
     }
-    if (!layout_.subsampled() || measurements->size() == first) continue;
-    // A subsampled call costs its copies beside cuDNN's, and the copy of its input beside
+    if (layout_.form() == ConvForm::kDirect || measurements->size() == first) continue;
+    // A call in another form costs its copies beside cuDNN's, and the copy of its input beside
     // cuDNN's workspace: both count against what the plan chooses.
     float copies_ms = 0;
-    TF_RETURN_IF_ERROR(TimeSubsamplingCopies(size, cudnn_input, &copies_ms));
+    TF_RETURN_IF_ERROR(TimeFormCopies(size, cudnn_input, &copies_ms));
     const size_t copy_bytes = size * layout_.PaddedInputSampleSize() * ElementSize(type_);
     for (size_t i = first; i < measurements->size(); ++i) {
       AlgorithmMeasurement& m = (*measurements)[i];
-      m.algorithm.subsampled = true;
+      m.algorithm.form = layout_.form();
       m.time_ms += copies_ms;
       m.workspace += copy_bytes;
     }
@@ -78,10 +78,10 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   return absl::OkStatus();
 }
 
-// The copies a subsampled micro-batch of `size` adds to cuDNN's call, as Run makes them: the
-// input's strided samples gathered, or the input gradient zeroed and cuDNN's result scattered.
-absl::Status CudnnConvolution::TimeSubsamplingCopies(int64_t size, void* cudnn_input,
-                                                     float* time_ms) {
+// The copies a micro-batch of `size` in the layout's form adds to cuDNN's call, as Run makes
+// them: the input's strided samples or blocks gathered, or the input gradient (zeroed where the
+// copy does not cover it) scattered back.
+absl::Status CudnnConvolution::TimeFormCopies(int64_t size, void* cudnn_input, float* time_ms) {
   const absl::Status status = MedianGpuTime(
       stream_, kEngineTimingRepeats,
       [&] {
@@ -92,7 +92,8 @@ absl::Status CudnnConvolution::TimeSubsamplingCopies(int64_t size, void* cudnn_i
       },
       time_ms);
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat("timing the subsampling copies of ",
+  return absl::Status(status.code(), absl::StrCat("timing the ", FormName(layout_.form()),
+                                                  " copies of ",
                                                   KernelName(kernel_), " at ", size,
                                                   " samples: ", status.message()));
 }

@@ -1,7 +1,8 @@
 // One GPU copy kernel for every layout change the cuDNN kernels need: permuting filters between
 // TensorFlow's layout and cuDNN's, padding a micro-batch's input for asymmetric padding (cuDNN
-// pads symmetrically only) and cropping a padded gradient back. Compiled by nvcc; no TensorFlow
-// headers, so it builds with any CUDA toolkit.
+// pads symmetrically only) and cropping a padded gradient back, gathering strided samples and
+// space-to-depth blocks and scattering them back. Compiled by nvcc; no TensorFlow headers, so it
+// builds with any CUDA toolkit.
 #ifndef TF_UCUDNN_CC_CUDNN_STRIDED_COPY_H_
 #define TF_UCUDNN_CC_CUDNN_STRIDED_COPY_H_
 
@@ -13,15 +14,31 @@ namespace tf_ucudnn {
 
 constexpr int kMaxCopyRank = 6;
 
-// dst[i] = src[i + src_start] where inside src's bounds, else zero; i ranges over `dims`.
-// Strides are in elements; src_start may be negative (zero fill before) or positive (crop).
+// Where each index of a copy lies in one of its tensors: index i (one value per copy dim) is the
+// element at offset + sum_d i[d] * strides[d] (strides in elements). Whether that element exists:
+// each copy dim moves along one axis of the tensor (axes[d]) by steps[d] per index, the element's
+// coordinate on axis a is starts[a] plus those moves, and it exists where 0 <= coordinate <
+// bounds[a] on every axis with a bound (bounds[a] > 0). Several copy dims moving along one axis
+// (a space-to-depth block's offset and the block's index) are checked together.
+struct CopySide {
+  int64_t offset = 0;
+  int64_t strides[kMaxCopyRank] = {};
+  int axes[kMaxCopyRank] = {};
+  int64_t steps[kMaxCopyRank] = {};
+  int64_t starts[kMaxCopyRank] = {};
+  int64_t bounds[kMaxCopyRank] = {};
+};
+
+// For every index in `dims`: the destination element gets the source's, or zero where the source
+// element does not exist; where the destination element does not exist nothing is written.
+// `blocked`: some copy dims share an axis or step by more than one, or the destination is bounded
+// (CopySide); the kernel then checks bounds by axis, else by copy dim, which is quicker.
 struct StridedCopy {
   int rank = 0;
   int64_t dims[kMaxCopyRank] = {};
-  int64_t dst_strides[kMaxCopyRank] = {};
-  int64_t src_dims[kMaxCopyRank] = {};
-  int64_t src_strides[kMaxCopyRank] = {};
-  int64_t src_start[kMaxCopyRank] = {};
+  CopySide src;
+  CopySide dst;
+  bool blocked = false;
 };
 
 // element_size is 2, 4 or 8 bytes; returns cudaErrorInvalidValue for anything else.

@@ -37,7 +37,11 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("candidates", &candidates));
     candidates_ = candidates == "engines" ? ProfiledCandidates::kEngines
                                           : ProfiledCandidates::kLegacy;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("subsampled", &subsampled_));
+    std::string form;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("form", &form));
+    form_ = form == "subsampled"       ? ConvForm::kSubsampled
+            : form == "space_to_depth" ? ConvForm::kSpaceToDepth
+                                       : ConvForm::kDirect;
     int64_t limit = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("workspace_limit", &limit));
     OP_REQUIRES(ctx, limit >= 0, absl::InvalidArgumentError("workspace_limit must be >= 0"));
@@ -52,7 +56,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     absl::Status status =
         ComputeConvGeometry(attrs_, Dims(input.shape()), Dims(filter.shape()), &geometry);
     if (status.ok()) status = CheckOutputShape(geometry, Dims(out_backprop.shape()));
-    if (status.ok() && subsampled_) status = CheckSubsamplable(geometry);
+    if (status.ok()) status = CheckForm(geometry, form_);
     std::vector<AlgorithmMeasurement> measurements;
     if (status.ok()) {
       const ConvBuffers<void> buffers{const_cast<T*>(input.flat<T>().data()),
@@ -60,7 +64,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
                                       const_cast<T*>(out_backprop.flat<T>().data())};
       OpKernelResources resources(ctx);
       status = CudnnConvolution(&resources, kernel_, geometry, CudnnDataType<T>::value, buffers,
-                                subsampled_)
+                                form_)
                    .Profile(batch_sizes_, workspace_limit_, candidates_, &measurements);
     }
     OP_REQUIRES(ctx, status.ok(),
@@ -90,7 +94,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
   std::vector<int64_t> batch_sizes_;
   size_t workspace_limit_ = 0;
   ProfiledCandidates candidates_ = ProfiledCandidates::kLegacy;
-  bool subsampled_ = false;
+  ConvForm form_ = ConvForm::kDirect;
 };
 
 // The tensors stay on the GPU; the small result table is written by the host.

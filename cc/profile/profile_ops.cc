@@ -24,7 +24,7 @@ REGISTER_OP("UcudnnProfileConvolution")
     .Attr("batch_sizes: list(int)")
     .Attr("workspace_limit: int")
     .Attr("candidates: {'legacy', 'engines'} = 'legacy'")
-    .Attr("subsampled: bool = false")
+    .Attr("form: {'direct', 'subsampled', 'space_to_depth'} = 'direct'")
     // Each run measures anew: never constant-folded, merged or skipped.
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -38,14 +38,17 @@ Times every candidate cuDNN can run for one kernel of a convolution at each of `
 the given tensors (their first samples), with up to `workspace_limit` bytes of workspace:
 `candidates` 'legacy' times the legacy algorithms (cudnnFind*AlgorithmEx, with the math TensorFlow
 would use for T), 'engines' the graph-API engine configurations of cuDNN's heuristics (a warm-up
-run, then the median of five runs between CUDA events each). `subsampled` times them as a
-stride-1 convolution on a copy of the input's strided samples (a 1x1 filter, no padding, a stride
-above 1), each time with the copies' and each workspace with the copy's.
+run, then the median of five runs between CUDA events each). `form` times them as cuDNN is given
+the convolution: 'direct' as it is, 'subsampled' as a stride-1 convolution on a copy of the
+input's strided samples (a 1x1 filter, no padding, a stride above 1), 'space_to_depth' as a
+stride-1 convolution on a copy of the input in blocks of the stride (two spatial dims, one stride
+above 1, a filter of more than one tap, no dilation or groups); in the latter two each time with
+the copies' and each workspace with the copy's.
 
 measurements: one row per candidate run: batch size, time in milliseconds, workspace bytes,
   1 if known to be deterministic else 0.
 algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]",
-  then ",subsampled=1" where subsampled).
+  then ",subsampled=1" or ",space_to_depth=1" in those forms).
 )doc");
 
 REGISTER_OP("UcudnnCudnnVersion")

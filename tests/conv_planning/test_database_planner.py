@@ -8,7 +8,7 @@ import tensorflow as tf
 from tf_ucudnn import rewrite
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.conv_layer import ConvLayer
-from tf_ucudnn.core.plan import KERNELS, LayerPlan
+from tf_ucudnn.core.plan import DIRECT, KERNELS, SUBSAMPLED, LayerPlan
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase, ProfileRecord
@@ -194,14 +194,14 @@ def test_a_subsampled_plan_is_no_undivided_plan_and_xla_is_predicted_direct(tmp_
     geometry = layer.cudnn_geometry()
     assert geometry.can_subsample
     records = [ProfileRecord(H100.device, H100.cudnn_version, geometry, kernel, 8, 1, "default",
-                             time_ms, 0, subsampled=subsampled)
-               for kernel in KERNELS for time_ms, subsampled in ((2.0, False), (1.0, True))]
+                             time_ms, 0, form=form)
+               for kernel in KERNELS for time_ms, form in ((2.0, DIRECT), (1.0, SUBSAMPLED))]
     with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
         database.insert(records)
         plan = DatabasePlanner(database, 64 * MIB, machine=H100,
                                leave_undivided_to_tensorflow=True)(layer)
         assert isinstance(plan, LayerPlan)
-        assert all(plan.kernel(kernel).subsampled and plan.kernel(kernel).sizes == (8,)
+        assert all(plan.kernel(kernel).form == SUBSAMPLED and plan.kernel(kernel).sizes == (8,)
                    for kernel in KERNELS)
         prediction = DatabasePlanner(database, 64 * MIB, machine=H100).predict(layer, plan)
         assert (prediction.xla_ms, prediction.plan_ms) == (6.0, 3.0)

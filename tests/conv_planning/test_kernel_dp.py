@@ -10,7 +10,14 @@ from tf_ucudnn.conv_planning import (
     is_deterministic,
     pareto_configurations,
 )
-from tf_ucudnn.core.plan import Algorithm, KernelPlan, MicroBatch
+from tf_ucudnn.core.plan import (
+    DIRECT,
+    SPACE_TO_DEPTH,
+    SUBSAMPLED,
+    Algorithm,
+    KernelPlan,
+    MicroBatch,
+)
 from tf_ucudnn.profiling import AlgorithmTiming
 
 MIB = 1 << 20
@@ -262,55 +269,66 @@ def test_deterministic_requests_leave_engine_configurations_out():
         fastest_configuration("fwd", {8: [engine(12, 1.0, 0)]}, 8, deterministic_only=True)
 
 
-def subsampled(timing):
+def in_form(timing, form=SUBSAMPLED):
     return AlgorithmTiming.from_algorithm(
-        dataclasses.replace(timing.algorithm, subsampled=True), timing.time_ms,
-        timing.workspace_bytes)
+        dataclasses.replace(timing.algorithm, form=form), timing.time_ms, timing.workspace_bytes)
 
 
 def test_a_plan_never_mixes_subsampled_and_direct_micro_batches():
     """Its micro-batches share the op's view of its tensors, so the fastest mix (4 subsampled at
     0.5 + 2 direct at 0.4) is no plan; the best of each form alone is (here: 3 x 2 direct)."""
-    table = {4: [subsampled(AlgorithmTiming(0, "default", 0.5, 8 * MIB))],
+    table = {4: [in_form(AlgorithmTiming(0, "default", 0.5, 8 * MIB))],
              2: [AlgorithmTiming(1, "default", 0.4, 0)],
              6: [AlgorithmTiming(1, "default", 3.0, 0)]}
     best = fastest_configuration("fwd", table, 6)
     assert str(best.plan) == "2@algo=1,math=default + 2@algo=1,math=default + " \
         "2@algo=1,math=default" and best.time_ms == pytest.approx(1.2)
     # Where subsampled micro-batches can make the batch alone, and are faster, they are chosen.
-    table[2].append(subsampled(AlgorithmTiming(0, "default", 0.3, 4 * MIB)))
+    table[2].append(in_form(AlgorithmTiming(0, "default", 0.3, 4 * MIB)))
     best = fastest_configuration("fwd", table, 6)
-    assert best.plan.subsampled and best.plan.sizes == (4, 2)
+    assert best.plan.form == SUBSAMPLED and best.plan.sizes == (4, 2)
     assert best.time_ms == pytest.approx(0.8) and best.workspace_bytes == 8 * MIB
     within = fastest_configuration("fwd", table, 6, 4 * MIB)
-    assert within.plan.subsampled and within.plan.sizes == (2, 2, 2)
-    assert not fastest_configuration("fwd", table, 6, 0).plan.subsampled
+    assert within.plan.form == SUBSAMPLED and within.plan.sizes == (2, 2, 2)
+    assert fastest_configuration("fwd", table, 6, 0).plan.form == DIRECT
     front = pareto_configurations("fwd", table, 6)
-    assert [(c.workspace_bytes, c.plan.subsampled) for c in front] == \
-        [(0, False), (4 * MIB, True), (8 * MIB, True)]
+    assert [(c.workspace_bytes, c.plan.form) for c in front] == \
+        [(0, DIRECT), (4 * MIB, SUBSAMPLED), (8 * MIB, SUBSAMPLED)]
     assert [c.time_ms for c in front] == pytest.approx([1.2, 0.9, 0.8])
 
 
-def test_either_form_can_be_asked_for_alone():
+def test_each_form_can_be_asked_for_alone():
     table = {8: [AlgorithmTiming(1, "default", 2.0, 0),
-                 subsampled(AlgorithmTiming(1, "default", 1.0, 0))]}
-    assert fastest_configuration("fwd", table, 8).plan.subsampled
-    direct = fastest_configuration("fwd", table, 8, subsampled=False)
-    assert not direct.plan.subsampled and direct.time_ms == 2.0
-    assert [c.plan.subsampled for c in pareto_configurations("fwd", table, 8, subsampled=True)] \
-        == [True]
+                 in_form(AlgorithmTiming(1, "default", 1.0, 0)),
+                 in_form(AlgorithmTiming(1, "default", 1.5, 0), SPACE_TO_DEPTH)]}
+    assert fastest_configuration("fwd", table, 8).plan.form == SUBSAMPLED
+    direct = fastest_configuration("fwd", table, 8, form=DIRECT)
+    assert direct.plan.form == DIRECT and direct.time_ms == 2.0
+    blocks = fastest_configuration("fwd", table, 8, form=SPACE_TO_DEPTH)
+    assert blocks.plan.form == SPACE_TO_DEPTH and blocks.time_ms == 1.5
+    assert [c.plan.form for c in pareto_configurations("fwd", table, 8, form=SUBSAMPLED)] \
+        == [SUBSAMPLED]
     with pytest.raises(NoFeasiblePlanError):
         fastest_configuration("fwd", {8: [AlgorithmTiming(1, "default", 2.0, 0)]}, 8,
-                              subsampled=True)
+                              form=SUBSAMPLED)
+
+
+def test_of_equally_fast_plans_the_direct_one_is_kept():
+    table = {8: [in_form(AlgorithmTiming(1, "default", 1.0, 0), SPACE_TO_DEPTH),
+                 AlgorithmTiming(1, "default", 1.0, 0)]}
+    assert fastest_configuration("fwd", table, 8).plan.form == DIRECT
+    assert [c.plan.form for c in pareto_configurations("fwd", table, 8)] == [DIRECT]
 
 
 def test_dp_matches_brute_force_over_each_form_on_random_tables():
     rng = random.Random(4321)
     for _ in range(100):
         batch_size = rng.randint(1, 8)
-        direct, other = _random_table(rng, batch_size), _random_table(rng, batch_size)
-        table = {size: [*direct.get(size, ()), *map(subsampled, other.get(size, ()))]
-                 for size in set(direct) | set(other)}
+        direct, other, blocks = (_random_table(rng, batch_size) for _ in range(3))
+        table = {size: [*direct.get(size, ()), *map(in_form, other.get(size, ())),
+                        *(in_form(t, SPACE_TO_DEPTH) for t in blocks.get(size, ()))]
+                 for size in set(direct) | set(other) | set(blocks)}
         limit = rng.choice([0, 1000, 5000, math.inf])
-        plans = _all_plans(direct, batch_size, limit) + _all_plans(other, batch_size, limit)
+        plans = (_all_plans(direct, batch_size, limit) + _all_plans(other, batch_size, limit)
+                 + _all_plans(blocks, batch_size, limit))
         _check_fastest(table, plans, batch_size, limit)

@@ -10,9 +10,12 @@ from tf_ucudnn.core.plan import (
     ALGORITHM_COUNTS,
     BACKPROP_FILTER,
     BACKPROP_INPUT,
+    DIRECT,
     FORWARD,
     KERNELS,
     MATH_TYPES,
+    SPACE_TO_DEPTH,
+    SUBSAMPLED,
     Algorithm,
     KernelPlan,
     LayerPlan,
@@ -201,43 +204,57 @@ def test_order_key_orders_auto_legacy_then_engines():
 
 
 @pytest.mark.parametrize("algorithm, text", [
-    (Algorithm(1, subsampled=True), "algo=1,subsampled=1"),
-    (Algorithm(0, "tensor_op", subsampled=True), "algo=0,math=tensor_op,subsampled=1"),
-    (Algorithm(engine=4, knobs={"TILEK": 1}, subsampled=True),
+    (Algorithm(1, form=SUBSAMPLED), "algo=1,subsampled=1"),
+    (Algorithm(0, "tensor_op", form=SUBSAMPLED), "algo=0,math=tensor_op,subsampled=1"),
+    (Algorithm(engine=4, knobs={"TILEK": 1}, form=SUBSAMPLED),
      "engine=4,knobs=TILEK:1,subsampled=1"),
+    (Algorithm(1, form=SPACE_TO_DEPTH), "algo=1,space_to_depth=1"),
+    (Algorithm(engine=4, knobs={"TILEK": 1}, form=SPACE_TO_DEPTH),
+     "engine=4,knobs=TILEK:1,space_to_depth=1"),
 ], ids=str)
-def test_subsampled_algorithms_round_trip(algorithm, text):
+def test_algorithms_in_other_forms_round_trip(algorithm, text):
     assert algorithm.to_attr() == text
     assert Algorithm.parse(text) == algorithm
-    assert Algorithm.parse(text) != dataclasses.replace(algorithm, subsampled=False)
+    assert Algorithm.parse(text) != dataclasses.replace(algorithm, form=DIRECT)
 
 
 @pytest.mark.parametrize("text, reason", [
-    ("subsampled=1", "needs an algorithm or engine"),
+    ("subsampled=1", "subsampled needs an algorithm or engine"),
+    ("space_to_depth=1", "space_to_depth needs an algorithm or engine"),
     ("algo=1,subsampled=0", "subsampled must be 1"),
     ("algo=1,subsampled=yes", "subsampled must be 1"),
+    ("algo=1,space_to_depth=2", "space_to_depth must be 1"),
+    ("algo=1,subsampled=1,space_to_depth=1", "more than one form"),
+    ("algo=1,direct=1", "expected"),
 ], ids=repr)
-def test_subsampled_parse_rejects(text, reason):
+def test_form_parse_rejects(text, reason):
     with pytest.raises(ValueError, match=reason):
         Algorithm.parse(text)
 
 
-def test_subsampled_needs_an_explicit_algorithm():
+def test_a_form_needs_an_explicit_algorithm():
     with pytest.raises(ValueError, match="needs an explicit algorithm or engine"):
-        Algorithm(subsampled=True)
-    with pytest.raises(ValueError, match="must be a bool"):
-        Algorithm(1, subsampled=1)
+        Algorithm(form=SUBSAMPLED)
+    with pytest.raises(ValueError, match="needs an explicit algorithm or engine"):
+        Algorithm(form=SPACE_TO_DEPTH)
+    with pytest.raises(ValueError, match="form must be one of"):
+        Algorithm(1, form=True)
+    assert Algorithm().form == DIRECT and Algorithm(1).form == DIRECT
 
 
-def test_a_kernel_plan_subsamples_all_its_micro_batches_or_none():
-    both = KernelPlan((MicroBatch(4, Algorithm(1, subsampled=True)),
-                       MicroBatch(4, Algorithm(engine=3, subsampled=True))))
-    assert both.subsampled
+@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH])
+def test_a_kernel_plan_runs_all_its_micro_batches_in_one_form(form):
+    both = KernelPlan((MicroBatch(4, Algorithm(1, form=form)),
+                       MicroBatch(4, Algorithm(engine=3, form=form))))
+    assert both.form == form
     assert KernelPlan.from_json(json.loads(json.dumps(both.to_json()))) == both
     assert KernelPlan.from_attrs(**both.attrs()) == both
-    assert not KernelPlan.of((4, 1), (4, 0)).subsampled and not KernelPlan().subsampled
-    with pytest.raises(ValueError, match="all its micro-batches or none"):
-        KernelPlan((MicroBatch(4, Algorithm(1, subsampled=True)), MicroBatch(4, Algorithm(1))))
+    assert KernelPlan.of((4, 1), (4, 0)).form == DIRECT and KernelPlan().form == DIRECT
+    with pytest.raises(ValueError, match="run in one form"):
+        KernelPlan((MicroBatch(4, Algorithm(1, form=form)), MicroBatch(4, Algorithm(1))))
+    with pytest.raises(ValueError, match="run in one form"):
+        KernelPlan((MicroBatch(4, Algorithm(1, form=SUBSAMPLED)),
+                    MicroBatch(4, Algorithm(1, form=SPACE_TO_DEPTH))))
 
 
 def test_kernel_plan_carries_engine_configs_in_attrs_json_and_text():
@@ -278,7 +295,11 @@ _SHARED_SYNTAX = ["auto", " auto", "algo=0", "algo=2,math=fma", "math=tensor_op,
                   "algo=1,subsampled=1", "subsampled=1,engine=2,knobs=A:1",
                   "algo=0,math=fma,subsampled=1", "subsampled=1", "algo=1,subsampled=0",
                   "algo=1,subsampled=true", "algo=1,subsampled=1,subsampled=1", "auto,subsampled=1",
-                  "engine=2,subsampled="]
+                  "engine=2,subsampled=",
+                  # runs in space-to-depth blocks
+                  "algo=1,space_to_depth=1", "space_to_depth=1,engine=2,knobs=A:1",
+                  "space_to_depth=1", "algo=1,space_to_depth=0", "algo=1,space_to_depth=1,"
+                  "subsampled=1", "auto,space_to_depth=1", "algo=1,direct=1"]
 
 
 @pytest.mark.parametrize("text", _SHARED_SYNTAX, ids=repr)
@@ -288,10 +309,11 @@ def test_op_library_agrees_with_plan_parser(text):
         python_accepts = True
     except ValueError:
         python_accepts = False
-    x = tf.zeros([2, 3, 3, 1])
-    w = tf.zeros([1, 1, 1, 1])
+    x = tf.zeros([2, 4, 4, 1])
+    # A strided 1x1 convolution may run subsampled, a strided 3x3 one in space-to-depth blocks.
+    w = tf.zeros([3, 3, 1, 1] if "space_to_depth" in text else [1, 1, 1, 1])
     with tf.device("/CPU:0"):
-        try:  # a strided 1x1 convolution, which may run subsampled
+        try:
             op_library().ucudnn_conv2d(x, w, strides=[1, 2, 2, 1], padding="VALID",
                                        micro_batches=[2], algorithms=[text])
             op_accepts = True

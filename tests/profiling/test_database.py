@@ -5,7 +5,7 @@ import sqlite3
 import pytest
 
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import Algorithm
+from tf_ucudnn.core.plan import SPACE_TO_DEPTH, SUBSAMPLED, Algorithm
 from tf_ucudnn.profiling import (
     ProfileDatabase,
     ProfileDatabaseError,
@@ -289,15 +289,20 @@ def test_version_1_database_is_migrated_in_place(tmp_path):
         assert len(db) == 4
 
 
-def test_subsampled_measurements_are_kept_beside_direct_ones(tmp_path):
-    geometry = dataclasses.replace(GEOMETRY, filter_dims=(1, 1), pads=(0, 0), strides=(2, 2))
+@pytest.mark.parametrize("form, geometry_change", [
+    (SUBSAMPLED, dict(filter_dims=(1, 1), pads=(0, 0), strides=(2, 2))),
+    (SPACE_TO_DEPTH, dict(in_channels=3, strides=(2, 2))),
+])
+def test_measurements_in_other_forms_are_kept_beside_direct_ones(tmp_path, form,
+                                                                geometry_change):
+    geometry = dataclasses.replace(GEOMETRY, **geometry_change)
     direct = record(geometry=geometry, time_ms=2.0)
-    subsampled = dataclasses.replace(direct, time_ms=0.5, workspace_bytes=9 << 20, subsampled=True)
+    other = dataclasses.replace(direct, time_ms=0.5, workspace_bytes=9 << 20, form=form)
     with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
-        database.insert([direct, subsampled])
+        database.insert([direct, other])
         assert len(database) == 2
         [first, second] = database.timings(H100, 91400, geometry, "fwd")[32]
-        assert first.algorithm == Algorithm(1, "default", subsampled=True)
+        assert first.algorithm == Algorithm(1, "default", form=form)
         assert (first.time_ms, first.workspace_bytes) == (0.5, 9 << 20)
         assert second.algorithm == Algorithm(1, "default")
-        assert sorted(database.records(), key=lambda r: r.time_ms) == [subsampled, direct]
+        assert sorted(database.records(), key=lambda r: r.time_ms) == [other, direct]

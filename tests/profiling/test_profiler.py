@@ -1,10 +1,19 @@
 """profiler: cuDNN measurements through the UcudnnProfileConvolution op."""
 
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, Algorithm
+from tf_ucudnn.core.plan import (
+    ALGORITHM_COUNTS,
+    DIRECT,
+    KERNELS,
+    SPACE_TO_DEPTH,
+    SUBSAMPLED,
+    Algorithm,
+)
 from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available
 from tf_ucudnn.profiling import ProfileDatabase, ProfileRecord, profiler
 
@@ -38,7 +47,7 @@ def _record(batch_size, algorithm):
     algorithm = Algorithm.parse(algorithm)
     return ProfileRecord("GPU", 91400, GEOMETRY, "fwd", batch_size, algorithm.algo,
                          algorithm.math, 0.5, 0, engine=algorithm.engine, knobs=algorithm.knobs,
-                         subsampled=algorithm.subsampled)
+                         form=algorithm.form)
 
 
 def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path):
@@ -52,22 +61,35 @@ def test_legacy_algorithms_and_engine_configurations_are_measured_apart(tmp_path
     assert unmeasured == {profiler.LEGACY: [8], profiler.ENGINES: [1, 2, 8]}
 
 
-def test_subsampled_runs_are_measured_apart_from_direct_ones(tmp_path):
+def test_runs_in_each_form_are_measured_apart(tmp_path):
     machine = profiler.Machine("GPU", 91400)
     with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
         database.insert([_record(size, "algo=1,math=default") for size in (1, 2)]
                         + [_record(2, "algo=1,math=default,subsampled=1"),
-                           _record(1, "engine=7,subsampled=1")])
+                           _record(1, "engine=7,subsampled=1"),
+                           _record(1, "engine=7,space_to_depth=1")])
         table = database.timings(machine.device, machine.cudnn_version, GEOMETRY, "fwd")
-    unmeasured = {(kind, subsampled): profiler.unmeasured_sizes(table, [1, 2], kind, subsampled)
-                  for kind in profiler.CANDIDATES for subsampled in (False, True)}
-    assert unmeasured == {(profiler.LEGACY, False): [], (profiler.LEGACY, True): [1],
-                          (profiler.ENGINES, False): [1, 2], (profiler.ENGINES, True): [2]}
+    forms = (DIRECT, SUBSAMPLED, SPACE_TO_DEPTH)
+    unmeasured = {(kind, form): profiler.unmeasured_sizes(table, [1, 2], kind, form)
+                  for kind in profiler.CANDIDATES for form in forms}
+    assert unmeasured == {(profiler.LEGACY, DIRECT): [], (profiler.LEGACY, SUBSAMPLED): [1],
+                          (profiler.LEGACY, SPACE_TO_DEPTH): [1, 2],
+                          (profiler.ENGINES, DIRECT): [1, 2], (profiler.ENGINES, SUBSAMPLED): [2],
+                          (profiler.ENGINES, SPACE_TO_DEPTH): [2]}
 
 
-def test_measure_refuses_to_subsample_what_cannot_be():
-    with pytest.raises(ValueError, match="only a strided 1x1 convolution"):
-        profiler.measure(GEOMETRY, "fwd", [2], profiler.Machine("GPU", 91400), subsampled=True)
+def test_each_geometry_is_measured_in_the_forms_it_can_take():
+    strided_1x1 = dataclasses.replace(GEOMETRY, filter_dims=(1, 1), pads=(0, 0), strides=(2, 2))
+    stem = dataclasses.replace(GEOMETRY, in_channels=3, filter_dims=(7, 7), strides=(2, 2))
+    assert profiler.forms_to_measure(GEOMETRY) == (DIRECT,)
+    assert profiler.forms_to_measure(strided_1x1) == (DIRECT, SUBSAMPLED)
+    assert profiler.forms_to_measure(stem) == (DIRECT, SPACE_TO_DEPTH)
+
+
+@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH])
+def test_measure_refuses_a_form_the_geometry_cannot_take(form):
+    with pytest.raises(ValueError, match=f"not measured in the {form} form"):
+        profiler.measure(GEOMETRY, "fwd", [2], profiler.Machine("GPU", 91400), form=form)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import Algorithm
+from tf_ucudnn.core.plan import SPACE_TO_DEPTH, SUBSAMPLED, Algorithm
 from tf_ucudnn.profiling import (
     ProfileFileError,
     ProfileRecord,
@@ -342,18 +342,47 @@ STRIDED_1X1 = ConvGeometry(in_channels=256, out_channels=512, input_dims=(56, 56
                            dtype="float32", layout="NCHW")
 
 
-def test_subsampled_records_round_trip_as_json_lines(tmp_path):
+RESNET_STEM = ConvGeometry(in_channels=3, out_channels=64, input_dims=(230, 230),
+                           filter_dims=(7, 7), pads=(0, 0), strides=(2, 2), dilations=(1, 1),
+                           dtype="float32", layout="NCHW")
+
+
+def test_records_in_other_forms_round_trip_as_json_lines(tmp_path):
     subsampled = ProfileRecord(H100, 91400, STRIDED_1X1, "bwd_filter", 64, None, None, 0.3,
-                               55 << 20, engine=62, knobs=(("WORKSPACE", 0),), subsampled=True)
+                               55 << 20, engine=62, knobs=(("WORKSPACE", 0),), form=SUBSAMPLED)
     legacy = ProfileRecord(H100, 91400, STRIDED_1X1, "fwd", 64, 1, "default", 0.2, 0,
-                           subsampled=True)
+                           form=SUBSAMPLED)
     direct = ProfileRecord(H100, 91400, STRIDED_1X1, "fwd", 64, 1, "default", 0.4, 0)
-    assert subsampled.to_json()["subsampled"] is True and "subsampled" not in direct.to_json()
+    blocks = ProfileRecord(H100, 91400, RESNET_STEM, "fwd", 32, 1, "default", 0.2, 7 << 20,
+                           form=SPACE_TO_DEPTH)
+    assert subsampled.to_json()["form"] == "subsampled" and "form" not in direct.to_json()
+    assert blocks.to_json()["form"] == "space_to_depth"
     assert str(subsampled.algorithm) == "engine=62,knobs=WORKSPACE:0,subsampled=1"
+    assert str(blocks.algorithm) == "algo=1,math=default,space_to_depth=1"
     assert subsampled.timing.algorithm == subsampled.algorithm
-    assert legacy.timing.algorithm == Algorithm(1, "default", subsampled=True)
-    write_jsonl(tmp_path / "subsampled.jsonl", [subsampled, legacy, direct])
-    assert read_jsonl(tmp_path / "subsampled.jsonl") == [subsampled, legacy, direct]
+    assert legacy.timing.algorithm == Algorithm(1, "default", form=SUBSAMPLED)
+    write_jsonl(tmp_path / "forms.jsonl", [subsampled, legacy, direct, blocks])
+    assert read_jsonl(tmp_path / "forms.jsonl") == [subsampled, legacy, direct, blocks]
+
+
+def test_geometries_that_can_run_in_space_to_depth_blocks():
+    assert RESNET_STEM.can_space_to_depth and not RESNET_STEM.can_subsample
+    alexnet_conv1 = dataclasses.replace(RESNET_STEM, out_channels=96, input_dims=(227, 227),
+                                        filter_dims=(11, 11), strides=(4, 4))
+    assert alexnet_conv1.can_space_to_depth  # 48 channels in blocks of 4
+    assert not dataclasses.replace(RESNET_STEM, strides=(1, 1)).can_space_to_depth
+    assert not dataclasses.replace(RESNET_STEM, strides=(2, 1)).can_space_to_depth
+    assert not dataclasses.replace(RESNET_STEM, filter_dims=(1, 1)).can_space_to_depth
+    assert not dataclasses.replace(RESNET_STEM, dilations=(2, 2)).can_space_to_depth
+    assert not dataclasses.replace(RESNET_STEM, in_channels=6, out_channels=66,
+                                   groups=3).can_space_to_depth
+    assert not dataclasses.replace(RESNET_STEM, in_channels=32).can_space_to_depth  # 128
+    assert dataclasses.replace(RESNET_STEM, in_channels=16).can_space_to_depth  # 64
+    three_d = ConvGeometry(in_channels=3, out_channels=8, input_dims=(16, 16, 16),
+                           filter_dims=(3, 3, 3), pads=(0, 0, 0), strides=(2, 2, 2),
+                           dilations=(1, 1, 1), dtype="float32", layout="NCDHW")
+    assert not three_d.can_space_to_depth
+    assert not STRIDED_1X1.can_space_to_depth and not ALEXNET_CONV2.can_space_to_depth
 
 
 def test_geometries_that_can_subsample():

@@ -31,7 +31,7 @@ from tf_ucudnn.conv_planning.kernel_dp import (
 from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
-from tf_ucudnn.core.plan import KERNELS, Algorithm, LayerPlan
+from tf_ucudnn.core.plan import DIRECT, KERNELS, Algorithm, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
 from tf_ucudnn.options import default_database
@@ -207,7 +207,7 @@ class DatabasePlanner:
         else:
             plan = self._plan_alone(layer)
         if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
-                len(kernel_plan.micro_batches) == 1 and not kernel_plan.subsampled
+                len(kernel_plan.micro_batches) == 1 and kernel_plan.form == DIRECT
                 for kernel_plan in
                 (plan.forward, plan.backprop_input, plan.backprop_filter)):
             return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
@@ -247,7 +247,7 @@ class DatabasePlanner:
                 xla_ms += fastest_configuration(
                     kernel, tables[kernel], layer.batch_size, None,
                     deterministic_only=self.deterministic_only,
-                    micro_batch_sizes=[layer.batch_size], subsampled=False).time_ms
+                    micro_batch_sizes=[layer.batch_size], form=DIRECT).time_ms
             except NoFeasiblePlanError:
                 return LayerPrediction(None, None)
         plan_ms = None
@@ -288,10 +288,10 @@ def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float
 def _runs_as_planned(measured: Algorithm, planned: Algorithm) -> bool:
     """Whether a measurement is of what a plan runs: the same engine configuration, or the same
     legacy algorithm in the planned math mode (any, where the plan leaves it to TensorFlow), in
-    the planned form (subsampled or not)."""
+    the planned form."""
     if planned.is_engine:
         return measured == planned
     if planned.algo is None:  # cuDNN's heuristics choose at run time: nothing measured is it
         return False
     return (measured.algo == planned.algo and planned.math in (None, measured.math)
-            and measured.subsampled == planned.subsampled)
+            and measured.form == planned.form)

@@ -8,8 +8,8 @@ mini-batch of B samples under a workspace limit W is T(B), where
 
 Only the micro-batch sizes present in the timing table are used. Micro-batches run one after
 another and share one workspace, so a plan needs the largest workspace of its micro-batches.
-A plan runs all its micro-batches subsampled or none (they share the op's view of its tensors),
-so the DP runs once over each form's timings, and the better plan wins.
+A plan runs all its micro-batches in one form (they share cuDNN's view of the op's tensors; see
+`tf_ucudnn.core.plan.FORMS`), so the DP runs once over each form's timings, and the best wins.
 
 The Pareto front of (time, workspace) over all limits is exact when the DP is run at every
 distinct workspace value in the table: any plan whose largest workspace is w is no faster than
@@ -27,6 +27,8 @@ from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import (
     BACKPROP_FILTER,
     BACKPROP_INPUT,
+    DIRECT,
+    FORMS,
     FORWARD,
     KERNELS,
     KernelPlan,
@@ -82,17 +84,17 @@ def fastest_configuration(kernel: str, timings: KernelTimings, batch_size: int,
                           deterministic_only: bool = False,
                           micro_batch_sizes: Optional[Iterable[int]] = None,
                           call_overhead_ms: float = 0.0,
-                          subsampled: Optional[bool] = None) -> KernelConfiguration:
+                          form: Optional[str] = None) -> KernelConfiguration:
     """The fastest plan for `batch_size` samples, each micro-batch within `workspace_limit` bytes.
 
     `micro_batch_sizes` restricts the sizes used (e.g. `[batch_size]` for the best undivided run);
     by default every size in `timings` may be used. `call_overhead_ms` is added per micro-batch:
-    the host time of one call, which cuDNN's own timings leave out. `subsampled` restricts the
-    plan to that form (False: as TensorFlow's own convolution runs). Raises NoFeasiblePlanError if
+    the host time of one call, which cuDNN's own timings leave out. `form` restricts the plan to
+    that form (DIRECT: as TensorFlow's own convolution runs). Raises NoFeasiblePlanError if
     nothing fits.
     """
     tables = _candidate_tables(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
-                               call_overhead_ms, subsampled)
+                               call_overhead_ms, form)
     limit = (max(table.largest_workspace for table in tables) if workspace_limit is None
              else workspace_limit)
     feasible = [c for table in tables for c in table.solve(np.array([limit], dtype=np.int64))
@@ -102,21 +104,21 @@ def fastest_configuration(kernel: str, timings: KernelTimings, batch_size: int,
         raise NoFeasiblePlanError(
             f"{kernel}: no micro-batches of sizes {table.sizes_text} sum to {batch_size} with "
             f"workspace <= {limit} bytes{table.filter_text}")
-    return min(feasible, key=lambda c: (c.time_ms, c.workspace_bytes, c.plan.subsampled))
+    return min(feasible, key=lambda c: (c.time_ms, c.workspace_bytes, FORMS.index(c.plan.form)))
 
 
 def pareto_configurations(kernel: str, timings: KernelTimings, batch_size: int, *,
                           deterministic_only: bool = False,
                           micro_batch_sizes: Optional[Iterable[int]] = None,
                           call_overhead_ms: float = 0.0,
-                          subsampled: Optional[bool] = None) -> tuple[KernelConfiguration, ...]:
+                          form: Optional[str] = None) -> tuple[KernelConfiguration, ...]:
     """The (time, workspace) Pareto front over all workspace limits: μ-cuDNN's desirable set,
-    of plans in the `subsampled` form where given (else of either).
+    of plans in `form` where given (else in any).
 
     Sorted by workspace ascending, hence by time descending; no entry is dominated by another.
     """
     tables = _candidate_tables(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
-                               call_overhead_ms, subsampled)
+                               call_overhead_ms, form)
     feasible = [c for table in tables for c in table.solve(table.distinct_workspaces)
                 if c is not None]
     if not feasible:
@@ -125,7 +127,7 @@ def pareto_configurations(kernel: str, timings: KernelTimings, batch_size: int, 
                                   f"to {batch_size}{table.filter_text}")
     front = []
     for configuration in sorted(feasible, key=lambda c: (c.workspace_bytes, c.time_ms,
-                                                         c.plan.subsampled)):
+                                                         FORMS.index(c.plan.form))):
         if not front or configuration.time_ms < front[-1].time_ms:
             front.append(configuration)
     return tuple(front)
@@ -134,22 +136,22 @@ def pareto_configurations(kernel: str, timings: KernelTimings, batch_size: int, 
 def _candidate_tables(kernel: str, timings: KernelTimings, batch_size: int,
                       deterministic_only: bool, micro_batch_sizes: Optional[Iterable[int]],
                       call_overhead_ms: float,
-                      subsampled: Optional[bool]) -> list["_CandidateTable"]:
-    """One table per form a plan may take (not subsampled first), each form's timings alone;
-    `subsampled` keeps that form only."""
-    forms = ([subsampled] if subsampled is not None else
-             sorted({t.algorithm.subsampled for ts in timings.values() for t in ts}) or [False])
+                      form: Optional[str]) -> list["_CandidateTable"]:
+    """One table per form a plan may take (in FORMS' order), each form's timings alone; `form`
+    keeps that form only."""
+    measured = {t.algorithm.form for ts in timings.values() for t in ts}
+    forms = [form] if form is not None else [f for f in FORMS if f in measured] or [DIRECT]
     return [_CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
-                            call_overhead_ms, subsampled) for subsampled in forms]
+                            call_overhead_ms, form) for form in forms]
 
 
 class _CandidateTable:
-    """The timings of one form (subsampled or not) that may be used, as arrays: sizes
-    descending, each size's algorithms."""
+    """The timings of one form that may be used, as arrays: sizes descending, each size's
+    algorithms."""
 
     def __init__(self, kernel: str, timings: KernelTimings, batch_size: int,
                  deterministic_only: bool, micro_batch_sizes: Optional[Iterable[int]],
-                 call_overhead_ms: float = 0.0, subsampled: bool = False):
+                 call_overhead_ms: float = 0.0, form: str = DIRECT):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if not isinstance(batch_size, int) or batch_size <= 0:
@@ -167,7 +169,7 @@ class _CandidateTable:
         for size in sorted(timings, reverse=True):
             if size > batch_size or (allowed is not None and size not in allowed):
                 continue
-            usable = [t for t in timings[size] if t.algorithm.subsampled == subsampled and (
+            usable = [t for t in timings[size] if t.algorithm.form == form and (
                 not deterministic_only or _usable_when_deterministic(kernel, t))]
             if usable:
                 self.sizes.append(size)

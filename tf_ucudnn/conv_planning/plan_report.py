@@ -19,7 +19,7 @@ from tf_ucudnn.conv_planning.kernel_dp import (
     fastest_configuration,
 )
 from tf_ucudnn.conv_planning.network_ilp import DYNAMIC_ALLOCATOR, NetworkPlan
-from tf_ucudnn.core.plan import KernelPlan
+from tf_ucudnn.core.plan import DIRECT, KernelPlan
 from tf_ucudnn.profiling.records import KernelTimings
 
 _MIB = 1 << 20
@@ -136,7 +136,7 @@ def kernel_limit_report(tables: Mapping[tuple[str, str], KernelTimings], batch_s
                                               deterministic_only=deterministic_only,
                                               micro_batch_sizes=[batch_size],
                                               call_overhead_ms=call_overhead_ms,
-                                              subsampled=False)
+                                              form=DIRECT)
         except NoFeasiblePlanError:
             undivided = None
         kernels.append(KernelReport(layer, kernel, chosen, undivided, workspace_limit))

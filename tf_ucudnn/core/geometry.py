@@ -7,6 +7,8 @@ import json
 
 # Layouts by number of spatial dimensions; the first letter after N says channels-first or -last.
 LAYOUTS = {2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
+# The most input channels a convolution in space-to-depth blocks has (`can_space_to_depth`).
+SPACE_TO_DEPTH_CHANNELS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,16 @@ class ConvGeometry:
         padding and a stride above 1, so that the output reads the input's strided samples only."""
         return (all(k == 1 for k in self.filter_dims) and not any(self.pads)
                 and any(s > 1 for s in self.strides))
+
+    @property
+    def can_space_to_depth(self) -> bool:
+        """Whether it can run in space-to-depth blocks of its stride and may gain by it: a 2-D
+        convolution of one stride above 1, a filter of more than one tap, no dilation or groups,
+        and few input channels (at most SPACE_TO_DEPTH_CHANNELS in the blocks). cuDNN's kernels
+        starve on a network's first layers, of three channels; in blocks they get 12 or 48."""
+        return (len(self.strides) == 2 and self.strides[0] == self.strides[1] > 1
+                and max(self.filter_dims) > 1 and set(self.dilations) == {1} and self.groups == 1
+                and self.in_channels * self.strides[0] ** 2 <= SPACE_TO_DEPTH_CHANNELS)
 
     @property
     def filter_in_channels(self) -> int:

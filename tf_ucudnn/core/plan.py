@@ -17,13 +17,17 @@ either a legacy algorithm enum or a cuDNN graph-API engine configuration:
                               cudnn-frontend's KnobType_t spells it), VALUE an integer
 
     "engine=58,subsampled=1"  ... run as a stride-1 convolution on a copy of the input's strided
-                              samples (`subsampled`, for a strided 1x1 convolution without
-                              padding; a legacy algorithm takes it too)
+                              samples (the `subsampled` form, for a strided 1x1 convolution
+                              without padding; a legacy algorithm takes a form too)
+    "algo=1,space_to_depth=1" ... run as a stride-1 convolution on a copy of the input in
+                              space-to-depth blocks of the stride (the `space_to_depth` form,
+                              for a 2-D convolution of one stride above 1, a filter of more than
+                              one tap, no dilation or groups)
 
 An engine configuration takes no math mode: the engine decides it. Its knobs are kept sorted by
 name, so that one configuration has one text (the op library writes the same). Which engines and
 knob names a convolution accepts only cuDNN can say: the op checks that when it runs. A plan's
-micro-batches are all subsampled or none is: they share the op's view of its tensors.
+micro-batches all run in one form (`FORMS`): they share cuDNN's view of the op's tensors.
 """
 
 from __future__ import annotations
@@ -56,8 +60,15 @@ MATH_TYPES = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 # Number of legacy algorithms per kernel (cuDNN 9's *_ALGO_COUNT).
 ALGORITHM_COUNTS = {FORWARD: 8, BACKPROP_INPUT: 6, BACKPROP_FILTER: 7}
 
+# How cuDNN is given a convolution (cc/cudnn/layout.h): as it is, or a strided one as a stride-1
+# convolution on a copy of its input's strided samples or of its input in space-to-depth blocks.
+DIRECT = "direct"
+SUBSAMPLED = "subsampled"
+SPACE_TO_DEPTH = "space_to_depth"
+FORMS = (DIRECT, SUBSAMPLED, SPACE_TO_DEPTH)
+
 _SYNTAX = ("expected 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', either "
-           "followed by ',subsampled=1'")
+           "followed by ',subsampled=1' or ',space_to_depth=1'")
 _KNOB_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 # ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -71,8 +82,7 @@ def _is_int(value) -> bool:
 class Algorithm:
     """One cuDNN algorithm choice: a legacy algorithm (`algo`, `math`), a graph-API engine
     configuration (`engine`, `knobs`), or neither: cuDNN's heuristics choose at run time. Either
-    of the first two may run `subsampled`: a strided 1x1 convolution as a stride-1 one on a copy
-    of the input's strided samples.
+    of the first two may run a strided convolution in another `form` (`FORMS`) than as it is.
 
     `knobs` may be given as a mapping or (name, value) pairs; it is kept as pairs sorted by name.
     """
@@ -81,7 +91,7 @@ class Algorithm:
     math: Optional[str] = None
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
-    subsampled: bool = False
+    form: str = DIRECT
 
     def __post_init__(self):
         if self.algo is not None and (not _is_int(self.algo) or self.algo < 0):
@@ -94,10 +104,10 @@ class Algorithm:
             raise ValueError(f"engine must be a non-negative int or None, got {self.engine!r}")
         if self.engine is not None and self.algo is not None:
             raise ValueError("an algorithm is either a legacy algorithm or an engine, not both")
-        if not isinstance(self.subsampled, bool):
-            raise ValueError(f"subsampled must be a bool, got {self.subsampled!r}")
-        if self.subsampled and self.algo is None and self.engine is None:
-            raise ValueError("a subsampled run needs an explicit algorithm or engine")
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {self.form!r}")
+        if self.form != DIRECT and self.algo is None and self.engine is None:
+            raise ValueError(f"a {self.form} run needs an explicit algorithm or engine")
         pairs = self.knobs.items() if isinstance(self.knobs, Mapping) else self.knobs
         knobs = tuple(sorted((name, value) for name, value in pairs))
         if knobs and self.engine is None:
@@ -121,11 +131,12 @@ class Algorithm:
     def order_key(self) -> tuple:
         """A total order over algorithms (heuristics' choice, legacy ones, then engines), so that
         ties between equally fast candidates never depend on where they came from."""
+        form = FORMS.index(self.form)
         if self.engine is not None:
-            return (2, self.engine, "", self.knobs, self.subsampled)
+            return (2, self.engine, "", self.knobs, form)
         if self.algo is not None:
-            return (1, self.algo, self.math or "", (), self.subsampled)
-        return (0, 0, "", (), False)
+            return (1, self.algo, self.math or "", (), form)
+        return (0, 0, "", (), form)
 
     @classmethod
     def parse(cls, text: str) -> "Algorithm":
@@ -138,13 +149,16 @@ class Algorithm:
             if not sep or key.strip() in fields:
                 raise ValueError(f"cannot parse algorithm {text!r}: {_SYNTAX}")
             fields[key.strip()] = value.strip()
-        subsampled = fields.pop("subsampled", None)
-        if subsampled not in (None, "1"):
-            raise ValueError(f"cannot parse algorithm {text!r}: subsampled must be 1 where given")
-        if subsampled and not fields:
-            raise ValueError(f"cannot parse algorithm {text!r}: subsampled needs an algorithm or "
+        flagged = [form for form in FORMS[1:] if form in fields]
+        for form in flagged:
+            if fields.pop(form) != "1":
+                raise ValueError(f"cannot parse algorithm {text!r}: {form} must be 1 where given")
+        if len(flagged) > 1:
+            raise ValueError(f"cannot parse algorithm {text!r}: more than one form given")
+        form = flagged[0] if flagged else DIRECT
+        if flagged and not fields:
+            raise ValueError(f"cannot parse algorithm {text!r}: {form} needs an algorithm or "
                              "engine")
-        subsampled = subsampled is not None
         # An algo makes it a legacy algorithm (so "algo=1,engine=2" has an unknown key).
         kind, allowed = ("algo", {"algo", "math"}) if "algo" in fields or "engine" not in fields \
             else ("engine", {"engine", "knobs"})
@@ -153,7 +167,7 @@ class Algorithm:
         if not _INTEGER.fullmatch(fields[kind]):
             raise ValueError(f"cannot parse algorithm {text!r}: {kind} is not an integer")
         if kind == "algo":
-            return cls(algo=int(fields["algo"]), math=fields.get("math"), subsampled=subsampled)
+            return cls(algo=int(fields["algo"]), math=fields.get("math"), form=form)
         knobs = []
         if "knobs" in fields:
             for item in fields["knobs"].split("/"):
@@ -162,10 +176,10 @@ class Algorithm:
                     raise ValueError(f"cannot parse algorithm {text!r}: knob {item!r} is not "
                                      "NAME:INTEGER")
                 knobs.append((name.strip(), int(value)))
-        return cls(engine=int(fields["engine"]), knobs=tuple(knobs), subsampled=subsampled)
+        return cls(engine=int(fields["engine"]), knobs=tuple(knobs), form=form)
 
     def to_attr(self) -> str:
-        suffix = ",subsampled=1" if self.subsampled else ""
+        suffix = f",{self.form}=1" if self.form != DIRECT else ""
         if self.engine is not None:
             knobs = "/".join(f"{name}:{value}" for name, value in self.knobs)
             return f"engine={self.engine}" + (f",knobs={knobs}" if knobs else "") + suffix
@@ -191,8 +205,8 @@ WORKSPACE_ATTR = workspace_attr()
 class MicroBatch:
     size: int
     algorithm: Algorithm = Algorithm()
-    # The scratch it needs, where profiles tell: cuDNN's workspace (and a subsampled run's copy of
-    # its input); what it runs is size and algorithm.
+    # The scratch it needs, where profiles tell: cuDNN's workspace (and, in a form other than
+    # direct, the copy of its input); what it runs is size and algorithm.
     workspace_bytes: Optional[int] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -208,12 +222,13 @@ class KernelPlan:
 
     def __post_init__(self):
         object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
-        if len({mb.algorithm.subsampled for mb in self.micro_batches}) > 1:
-            raise ValueError(f"a plan subsamples all its micro-batches or none: {self}")
+        if len({mb.algorithm.form for mb in self.micro_batches}) > 1:
+            raise ValueError(f"all of a plan's micro-batches run in one form: {self}")
 
     @property
-    def subsampled(self) -> bool:
-        return any(mb.algorithm.subsampled for mb in self.micro_batches)
+    def form(self) -> str:
+        """The form its micro-batches run in (`FORMS`)."""
+        return self.micro_batches[0].algorithm.form if self.micro_batches else DIRECT
 
     @classmethod
     def of(cls, *pairs: tuple[int, Optional[int]]) -> "KernelPlan":

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import tensorflow as tf
 
-from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.core.plan import DIRECT, KernelPlan, LayerPlan
 from tf_ucudnn.kernels.gradients import gradient_plan_attrs, gradient_workspace
 from tf_ucudnn.kernels.library import op_library
 from tf_ucudnn.kernels.ops import (
@@ -38,10 +38,10 @@ _CONVOLUTION_ATTRS = ("strides", "padding", "explicit_paddings", "data_format", 
 
 def plan_refusal(plan: LayerPlan) -> Optional[str]:
     """Why the fused op cannot run a layer planned so, if it cannot: cuDNN's fused call reads the
-    input as it is, so a subsampled forward plan stays with the unfused convolution."""
-    if plan.forward.subsampled:
-        return ("its forward plan runs subsampled (a stride-1 convolution on the input's strided "
-                "samples), which the fused op does not")
+    input as it is, so a forward plan in another form stays with the unfused convolution."""
+    if plan.forward.form != DIRECT:
+        return (f"its forward plan runs in the {plan.forward.form} form (a stride-1 convolution "
+                "on a copy of the input), which the fused op does not")
     return None
 
 

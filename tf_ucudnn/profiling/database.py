@@ -155,7 +155,7 @@ class ProfileDatabase:
                                 ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
                                 batch_size, algorithm.algo, algorithm.math, time_ms,
                                 workspace_bytes, engine=algorithm.engine, knobs=algorithm.knobs,
-                                subsampled=algorithm.subsampled)
+                                form=algorithm.form)
 
     def machines(self) -> list[tuple[str, int]]:
         """The (device, cuDNN version) pairs measured, sorted."""

@@ -2,7 +2,7 @@
 micro-batch sizes, through the UcudnnProfileConvolution op on real buffers: the legacy algorithms
 (cudnnFind*AlgorithmEx, with the math TensorFlow uses for the dtype) and, where asked, the
 graph-API engine configurations cuDNN's heuristics offer (each run between CUDA events). A strided
-1x1 convolution's candidates are measured subsampled too (`tf_ucudnn.core.plan.Algorithm`).
+convolution's candidates are measured in the other forms it can take too (`forms_to_measure`).
 Results go to a ProfileDatabase, so each geometry is measured once per machine and cuDNN version.
 """
 
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import KERNELS, Algorithm
+from tf_ucudnn.core.plan import DIRECT, KERNELS, SPACE_TO_DEPTH, SUBSAMPLED, Algorithm
 from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
 from tf_ucudnn.profiling.records import (
@@ -89,17 +89,17 @@ def _op_attrs(geometry: ConvGeometry) -> dict:
 def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: Machine,
             workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, device: str = "/GPU:0",
             layer: Optional[str] = None, candidates: str = LEGACY,
-            subsampled: bool = False) -> list[ProfileRecord]:
+            form: str = DIRECT) -> list[ProfileRecord]:
     """Times every candidate of one kernel at each micro-batch size, on random data:
-    `candidates` LEGACY (the algorithm enums) or ENGINES (the engine configurations), run
-    `subsampled` where asked (the geometry must `can_subsample`)."""
+    `candidates` LEGACY (the algorithm enums) or ENGINES (the engine configurations), run in
+    `form` (one of `forms_to_measure(geometry)`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if candidates not in CANDIDATES:
         raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
-    if subsampled and not geometry.can_subsample:
-        raise ValueError(f"only a strided 1x1 convolution without padding runs subsampled, not "
-                         f"{geometry}")
+    if form not in forms_to_measure(geometry):
+        raise ValueError(f"{geometry} is not measured in the {form} form, only in "
+                         f"{forms_to_measure(geometry)}")
     batch = max(sizes)
     dtype = tf.as_dtype(geometry.dtype)
     with tf.device(device):
@@ -111,7 +111,7 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
         dy = random(_full_shape(geometry, batch, geometry.out_channels, _output_dims(geometry)), 3)
         rows, texts = op_library().ucudnn_profile_convolution(
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
-            candidates=candidates, subsampled=subsampled, **_op_attrs(geometry))
+            candidates=candidates, form=form, **_op_attrs(geometry))
     records = []
     for (size, time_ms, workspace, _), text in zip(rows.numpy(), texts.numpy()):
         algorithm = Algorithm.parse(text.decode())
@@ -119,17 +119,25 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
             device=machine.device, cudnn_version=machine.cudnn_version, geometry=geometry,
             kernel=kernel, batch_size=int(size), algo=algorithm.algo, math=algorithm.math,
             time_ms=float(time_ms), workspace_bytes=int(workspace), layer=layer,
-            engine=algorithm.engine, knobs=algorithm.knobs, subsampled=algorithm.subsampled))
+            engine=algorithm.engine, knobs=algorithm.knobs, form=algorithm.form))
     return records
 
 
+def forms_to_measure(geometry: ConvGeometry) -> tuple[str, ...]:
+    """The forms a convolution's candidates are measured in: as it is, and subsampled or in
+    space-to-depth blocks where it can run so (`ConvGeometry.can_subsample`,
+    `can_space_to_depth`)."""
+    return (DIRECT, *((SUBSAMPLED,) if geometry.can_subsample else ()),
+            *((SPACE_TO_DEPTH,) if geometry.can_space_to_depth else ()))
+
+
 def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: str,
-                     subsampled: bool = False) -> list[int]:
+                     form: str = DIRECT) -> list[int]:
     """The sizes at which a kernel's timing table has no measurement of that kind of candidate
-    (run subsampled or not)."""
-    wanted = (candidates == ENGINES, subsampled)
+    in that form."""
+    wanted = (candidates == ENGINES, form)
     return [s for s in sizes
-            if not any((t.algorithm.is_engine, t.algorithm.subsampled) == wanted
+            if not any((t.algorithm.is_engine, t.algorithm.form) == wanted
                        for t in timings.get(s, ()))]
 
 
@@ -143,7 +151,7 @@ def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
     A kernel counts as measured when the database has every candidate size for it: legacy
     algorithms always, and with `engines` (by default: where the op library was built with
     cudnn-frontend) engine configurations too, each kind measured apart, so a database of legacy
-    timings only gains the engines'; for a geometry that `can_subsample`, each kind subsampled too.
+    timings only gains the engines'; each kind in each of `forms_to_measure(geometry)`.
     """
     machine = current_machine(device)
     if engines is None:
@@ -152,17 +160,16 @@ def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
     kinds = (LEGACY, ENGINES) if engines else (LEGACY,)
     todo = []
     for geometry, label in geometries:
-        forms = (False, True) if geometry.can_subsample else (False,)
         for kernel in kernels:
             known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
             for candidates in kinds:
-                for subsampled in forms:
-                    missing = unmeasured_sizes(known, sizes, candidates, subsampled)
+                for form in forms_to_measure(geometry):
+                    missing = unmeasured_sizes(known, sizes, candidates, form)
                     if missing:
-                        todo.append((geometry, label, kernel, missing, candidates, subsampled))
+                        todo.append((geometry, label, kernel, missing, candidates, form))
     added = 0
-    for geometry, label, kernel, missing, candidates, subsampled in tqdm(
+    for geometry, label, kernel, missing, candidates, form in tqdm(
             todo, desc="profiling cuDNN", unit="kernel", disable=not progress):
         added += database.insert(measure(geometry, kernel, missing, machine, workspace_limit,
-                                         device, label, candidates, subsampled))
+                                         device, label, candidates, form))
     return added

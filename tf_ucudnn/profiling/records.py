@@ -12,8 +12,8 @@ Records are plain data and travel as JSON lines. Two line layouts are read:
 A line measures either a legacy algorithm (`algo` and `math`) or a cuDNN graph-API engine
 configuration (`engine`, and `knobs` as an object of knob name to value where any are set; see
 `tf_ucudnn.core.plan.Algorithm`). Lines without `engine`, as all written before engines were,
-are legacy algorithms. `"subsampled": true` marks a run of a strided 1x1 convolution as a
-stride-1 one on a copy of the input's strided samples (its time and workspace include the copies).
+are legacy algorithms. `"form"` names a run in another form than as the convolution is (see
+`tf_ucudnn.core.plan.FORMS`; absent: direct), whose time and workspace include its copies.
 
 A file that cannot be read or written raises `ProfileFileError`, naming the file (and the line)
 and the reason. `packaged_profiles()` lists the measured profiles shipped with the package.
@@ -34,7 +34,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.files import written_whole
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS, MATH_TYPES, Algorithm
+from tf_ucudnn.core.plan import ALGORITHM_COUNTS, DIRECT, KERNELS, MATH_TYPES, Algorithm
 
 UNDIVIDED = "undivided"
 POWER_OF_TWO = "power_of_two"
@@ -81,7 +81,7 @@ class AlgorithmTiming:
     workspace_bytes: int
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
-    subsampled: bool = False
+    form: str = DIRECT
 
     def __post_init__(self):
         # Algorithm checks the fields fit together and keeps knobs in their canonical order.
@@ -91,11 +91,11 @@ class AlgorithmTiming:
     def from_algorithm(cls, algorithm: Algorithm, time_ms: float,
                        workspace_bytes: int) -> "AlgorithmTiming":
         return cls(algorithm.algo, algorithm.math, time_ms, workspace_bytes, algorithm.engine,
-                   algorithm.knobs, algorithm.subsampled)
+                   algorithm.knobs, algorithm.form)
 
     @property
     def algorithm(self) -> Algorithm:
-        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.subsampled)
+        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.form)
 
 
 # Micro-batch size -> the algorithms measured at that size.
@@ -119,7 +119,7 @@ class ProfileRecord:
     # A graph-API engine configuration instead of a legacy algorithm (as in `Algorithm`).
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
-    subsampled: bool = False  # as in `Algorithm`
+    form: str = DIRECT  # as in `Algorithm`
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -149,7 +149,7 @@ class ProfileRecord:
 
     @property
     def algorithm(self) -> Algorithm:
-        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.subsampled)
+        return Algorithm(self.algo, self.math, self.engine, self.knobs, self.form)
 
     @property
     def timing(self) -> AlgorithmTiming:
@@ -174,8 +174,8 @@ class ProfileRecord:
             data["engine"] = self.engine
             if self.knobs:
                 data["knobs"] = dict(self.knobs)
-        if self.subsampled:
-            data["subsampled"] = True
+        if self.form != DIRECT:
+            data["form"] = self.form
         data.update({"time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes})
         return data
 
@@ -217,7 +217,7 @@ class ProfileRecord:
         return cls(device=device, cudnn_version=int(cudnn_version), geometry=geometry,
                    kernel=data["kernel"], batch_size=data["batch"],
                    time_ms=float(data["time_ms"]), workspace_bytes=data["workspace_bytes"],
-                   layer=data.get("layer"), subsampled=data.get("subsampled", False),
+                   layer=data.get("layer"), form=data.get("form", DIRECT),
                    **algorithm)
 
 
