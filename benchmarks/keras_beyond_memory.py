@@ -10,11 +10,12 @@ callback's run trains at `--factor` times that batch under `--budget-fraction` o
 is left to the allocator's fragmentation and what XLA holds beside its buffers). The JSON keeps
 `keras_fit` and `keras_callback` per model, as beyond_memory.py writes them, and the callback's run
 says which way it planned the step (the whole step in micro-batches, or swaps and recomputations)
-and its predicted and measured peaks; a step in micro-batches also its step time, predicted at
-Keras fit's measured time per image (`step_ms`), and measured. With `--tune FACTOR ...`,
-`tune_keras_batch_size` then picks the best of those multiples of Keras's batch under the same
-budget (`keras_tuned`), and the callback trains the batch it picks (`keras_callback_tuned`),
-unless it is the one above.
+and its predicted and measured peaks; a step in micro-batches also its step time (`step_ms`),
+measured and predicted: at Keras fit's measured time per image, or, where the tuner planned the
+batch in the same micro-batches, as the tuner predicts it (Keras's step measured at the
+micro-batch, once per micro-batch). With `--tune FACTOR ...`, `tune_keras_batch_size` first picks
+the best of those multiples of Keras's batch under the same budget (`keras_tuned`), and the
+callback also trains the batch it picks (`keras_callback_tuned`), unless it is the one above.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from beyond_memory import in_child, keras_fit
 STARTS = {"resnet50": 192, "vgg16": 128, "resnet152": 80, "smoke": 8}
 
 
-def train_with_callback(name: str, batch: int, budget: int, fit: dict, args,
+def train_with_callback(name: str, batch: int, budget: int, fit: dict, tuned: dict, args,
                         environment: dict) -> dict:
-    """`model.fit` with the callback at `batch` under `budget`, in a child, beside `fit`."""
+    """`model.fit` with the callback at `batch` under `budget`, in a child, beside `fit` (and
+    the tuner's trial of `batch` in `tuned`, if any)."""
     callback, failure, _ = in_child(
         ["--keras-callback-child", name, str(batch), str(budget), "--steps", str(args.steps),
          "--link-gb-s", *map(str, args.link_gb_s), "--trial-allocator", args.allocator,
@@ -41,11 +43,18 @@ def train_with_callback(name: str, batch: int, budget: int, fit: dict, args,
         callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
         if "accumulation" in callback:
             # The step runs Keras's own compiled step once per micro-batch: predicted at Keras
-            # fit's measured time per image, beside the step measured.
+            # fit's measured time per image, or as the tuner predicted it where it planned the
+            # same micro-batches, beside the step measured.
             predicted, measured = (batch / rate * 1e3 for rate in (fit["img_per_s"],
                                                                     callback["img_per_s"]))
+            source = "Keras fit's time per image"
+            trial = next((t for t in tuned.get("trials", ()) if t["batch_size"] == batch), {})
+            if trial.get("step_ms") and trial.get("accumulated_micro_batch") == \
+                    callback["accumulation"]["micro_batch_size"]:
+                predicted, source = trial["step_ms"], "tuner: Keras's step at the micro-batch"
             callback["step_ms"] = {"predicted": predicted, "measured": measured,
-                                   "measured_over_predicted": measured / predicted}
+                                   "measured_over_predicted": measured / predicted,
+                                   "predicted_from": source}
     print(name, "callback", batch, json.dumps(callback)[:400], flush=True)
     return callback
 
@@ -85,15 +94,7 @@ def main():
         if fit["largest_batch_tried"]:
             batch = args.factor * fit["largest_batch_tried"]
             budget = int(args.budget_fraction * args.memory_limit_gib * (1 << 30))
-            if args.repeats > 0:
-                entry["keras_callback"] = train_with_callback(name, batch, budget, fit, args,
-                                                              environment)
-            if args.repeats > 1:  # robust near the budget: each run a fresh process
-                entry["keras_callback_repeats"] = [entry["keras_callback"]] + [
-                    train_with_callback(name, batch, budget, fit, args, environment)
-                    for _ in range(args.repeats - 1)]
-                entry["keras_callback_trained"] = sum(
-                    bool(run.get("img_per_s")) for run in entry["keras_callback_repeats"])
+            tuned = {}
             if args.tune:
                 batches = [int(f * fit["largest_batch_tried"]) for f in args.tune]
                 tuned, failure, _ = in_child(
@@ -102,11 +103,23 @@ def main():
                      *map(str, args.link_gb_s), "--trial-allocator", args.allocator,
                      *args.callback_options], args.memory_limit_gib, environment)
                 entry["keras_tuned"] = tuned or {"error": failure}
-                print(name, "tuned", json.dumps(entry["keras_tuned"])[:400], flush=True)
-                best = tuned.get("best_batch")
-                if best and best != batch:
-                    entry["keras_callback_tuned"] = train_with_callback(
-                        name, best, budget, fit, args, environment)
+                tuned = tuned or {}
+                for trial in tuned.get("trials", ()):  # whole, as a cut log line would not be
+                    print(name, "tuned", json.dumps(trial), flush=True)
+                print(name, "tuned: best batch", tuned.get("best_batch"), flush=True)
+            if args.repeats > 0:
+                entry["keras_callback"] = train_with_callback(name, batch, budget, fit, tuned,
+                                                              args, environment)
+            if args.repeats > 1:  # robust near the budget: each run a fresh process
+                entry["keras_callback_repeats"] = [entry["keras_callback"]] + [
+                    train_with_callback(name, batch, budget, fit, tuned, args, environment)
+                    for _ in range(args.repeats - 1)]
+                entry["keras_callback_trained"] = sum(
+                    bool(run.get("img_per_s")) for run in entry["keras_callback_repeats"])
+            best = tuned.get("best_batch")
+            if best and best != batch:
+                entry["keras_callback_tuned"] = train_with_callback(
+                    name, best, budget, fit, tuned, args, environment)
         with open(args.out, "w") as f:  # after each model, lest a time limit lose them all
             json.dump(results, f, indent=1)
 
