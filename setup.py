@@ -4,6 +4,10 @@ TensorFlow custom ops must be compiled against the exact TensorFlow they load in
 with `pip install --no-build-isolation .`: an isolated build environment would compile against
 another copy of TensorFlow than the one you run.
 
+The memory planner's step simulator (cc/memory/step_simulator.cc) is a Python extension of its
+own, built with pybind11 where it is installed: without it the build says so and leaves it out,
+and the planner predicts with numpy alone, slower.
+
 The cuDNN kernels are compiled when a CUDA toolkit (nvcc) and cuDNN headers and library are found:
 in $CUDA_HOME / $CUDNN_HOME, the system paths, or the nvidia-* wheels that `tensorflow[and-cuda]`
 installs. Set TF_UCUDNN_CPU_ONLY=1 to build the CPU kernels alone.
@@ -32,16 +36,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _source_lists():
-    """COMMON_SOURCES, GPU_SOURCES and CUDA_SOURCES from cc/sources.bzl, which BUILD loads too."""
+    """COMMON_SOURCES, GPU_SOURCES, CUDA_SOURCES and STEP_SIMULATOR_SOURCES from cc/sources.bzl,
+    which BUILD loads too."""
     lists = {}
     with open(os.path.join(HERE, "cc", "sources.bzl")) as source:
         for statement in ast.parse(source.read()).body:
             if isinstance(statement, ast.Assign):
                 lists[statement.targets[0].id] = ast.literal_eval(statement.value)
-    return lists["COMMON_SOURCES"], lists["GPU_SOURCES"], lists["CUDA_SOURCES"]
+    return (lists["COMMON_SOURCES"], lists["GPU_SOURCES"], lists["CUDA_SOURCES"],
+            lists["STEP_SIMULATOR_SOURCES"])
 
 
-COMMON_SOURCES, GPU_SOURCES, CUDA_SOURCES = _source_lists()
+COMMON_SOURCES, GPU_SOURCES, CUDA_SOURCES, STEP_SIMULATOR_SOURCES = _source_lists()
+OP_LIBRARY = "tf_ucudnn._ucudnn_ops"
+STEP_SIMULATOR = "tf_ucudnn._step_simulator"
 DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
 
 
@@ -140,10 +148,46 @@ def _object_path(objects_dir, src):
     return obj
 
 
-class BuildTensorFlowOps(build_ext):
-    """Compiles the op library with the system compiler and TensorFlow's own flags."""
+def _pybind11_include():
+    """pybind11's headers, or None where pybind11 is not installed (a build without isolation
+    sees only what the environment has)."""
+    try:
+        import pybind11
+    except ImportError:
+        return None
+    return pybind11.get_include()
+
+
+class BuildOpsAndSimulator(build_ext):
+    """Compiles the op library with the system compiler and TensorFlow's own flags, and the step
+    simulator with pybind11's."""
+
+    def run(self):
+        if _pybind11_include() is None:
+            print("tf_ucudnn: the compiled step simulator left out: pybind11 is not installed "
+                  "(`pip install pybind11`, then build again); the memory planner predicts with "
+                  "numpy alone, slower")
+            self.extensions = [e for e in self.extensions if e.name != STEP_SIMULATOR]
+        super().run()
 
     def build_extension(self, ext):
+        if ext.name == STEP_SIMULATOR:
+            self._build_step_simulator(ext)
+        else:
+            self._build_op_library(ext)
+
+    def _build_step_simulator(self, ext):
+        output = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        # No contraction of a * b + c into one rounding: the times must be numpy's, bit for bit.
+        command = [os.environ.get("CXX", "g++"), "-O3", "-fPIC", "-std=c++17", "-shared",
+                   "-ffp-contract=off", "-fvisibility=hidden", "-I", _pybind11_include(),
+                   "-I", sysconfig.get_paths()["include"], *ext.sources, "-o", output]
+        result = self._run(command)
+        if result.returncode:
+            sys.exit(f"tf_ucudnn: compiling failed:\n{' '.join(command)}\n{result.stderr}")
+
+    def _build_op_library(self, ext):
         compile_flags, link_flags = _tensorflow_flags()
         cuda, missing = _find_cuda()
         objects_dir = os.path.join(self.build_temp, "tf_ucudnn_ops")
@@ -203,6 +247,7 @@ class BuildTensorFlowOps(build_ext):
 
 
 setup(
-    ext_modules=[Extension("tf_ucudnn._ucudnn_ops", sources=COMMON_SOURCES)],
-    cmdclass={"build_ext": BuildTensorFlowOps},
+    ext_modules=[Extension(OP_LIBRARY, sources=COMMON_SOURCES),
+                 Extension(STEP_SIMULATOR, sources=STEP_SIMULATOR_SOURCES)],
+    cmdclass={"build_ext": BuildOpsAndSimulator},
 )

@@ -1,4 +1,5 @@
-# The op library's sources, read by BUILD (Bazel) and setup.py (pip) alike.
+# The native sources, read by BUILD (Bazel) and setup.py (pip) alike: the op library's, then the
+# planner's own Python extension's.
 
 # Built everywhere: the ops, the CPU kernels and the XLA kernels.
 COMMON_SOURCES = [
@@ -39,4 +40,10 @@ GPU_SOURCES = [
 CUDA_SOURCES = [
     "cc/cudnn/accumulate.cu.cc",
     "cc/cudnn/strided_copy.cu.cc",
+]
+
+# The memory planner's step simulator, compiled: a Python extension of its own (pybind11), with
+# no TensorFlow in it.
+STEP_SIMULATOR_SOURCES = [
+    "cc/memory/step_simulator.cc",
 ]

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks
+
+try:  # `StepSimulator.predict`'s inner loop, compiled (cc/memory/step_simulator.cc)
+    from tf_ucudnn import _step_simulator
+except ImportError:  # not built (pybind11 was missing when tf_ucudnn was): numpy predicts alone
+    _step_simulator = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +107,12 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
 class StepSimulator:
     """`predict` for one step's ops and tensors, with what does not depend on the decisions made
     once (the op times as arrays, each op's allocations and frees): a search predicts thousands
-    of sets of decisions for the same step."""
+    of sets of decisions for the same step.
+
+    Two implementations predict alike, to the bit: the compiled one (`native`, used where it was
+    built), as numpy spends most of a prediction in call overheads, and the numpy one here, the
+    reference that one is tested against and the fallback where it is not built (or where
+    TF_UCUDNN_SIMULATOR=numpy asks for it, to compare the two)."""
 
     def __init__(self, op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel):
         self.model = model
@@ -124,6 +135,7 @@ class StepSimulator:
         self.op_start_peaks = [OpStartPeaks(allocated, freed)
                                for allocated, freed in zip(self.allocated, self.freed)]
         self.prepared: dict[int, tuple] = {}  # id of a tuple of recomputations -> `_prepared`
+        self.native = _native_step(self.durations, self.prefix, self.table, model)
 
     def predict(self, swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
                 recomputes: Sequence[RecomputeDecision] = (), check: bool = True) -> Prediction:
@@ -132,8 +144,19 @@ class StepSimulator:
         of a prediction the search makes thousands of."""
         if check:
             self._check(swaps, recomputes)
-        table, by_name, model = self.table, self.table.by_name, self.model
         made = self._prepared(recomputes)
+        if self.native is not None:
+            step_ms, peak, peak_op, transfer_ms, copied_out_before, peak_device = \
+                self.native.predict(swaps, made)
+            return Prediction(step_ms=step_ms, compute_ms=self.compute_ms + made.cost_ms,
+                              peak_bytes=peak + persistent_bytes, peak_op=peak_op,
+                              transfer_ms=transfer_ms, copied_out_before=copied_out_before,
+                              peak_device=self.table.device_names[peak_device])
+        return self._predict_with_numpy(swaps, persistent_bytes, made)
+
+    def _predict_with_numpy(self, swaps: Sequence[SwapDecision], persistent_bytes: int,
+                            made: "PreparedRecomputes") -> Prediction:
+        table, by_name, model = self.table, self.table.by_name, self.model
         chosen = {swap.tensor: swap for swap in swaps}
         produced_by: dict[int, list[TensorUse]] = {}
         prefetched_at: dict[int, list[TensorUse]] = {}
@@ -276,16 +299,23 @@ class StepSimulator:
         round of the search predicts most of its options with the same tuple. (A list may
         change between calls: worked out anew.)"""
         if not isinstance(recomputes, tuple):
-            return PreparedRecomputes.of(self.table, recomputes)
+            return self._prepare(recomputes)
         key = id(recomputes)
         found = self.prepared.get(key)
         if found is not None and found[0] is recomputes:
             return found[1]
         if len(self.prepared) >= PREPARED_KEPT:
             self.prepared.clear()
-        made = PreparedRecomputes.of(self.table, recomputes)
+        made = self._prepare(recomputes)
         self.prepared[key] = (recomputes, made)  # the tuple kept too: its id stays its own
         return made
+
+    def _prepare(self, recomputes: Sequence[RecomputeDecision]):
+        """`PreparedRecomputes.of`, or the compiled loop's own (with the same `due` and
+        `cost_ms`)."""
+        if self.native is not None:
+            return self.native.prepare(recomputes)
+        return PreparedRecomputes.of(self.table, recomputes)
 
     def _device_peak(self, device: int, start: np.ndarray, end: np.ndarray, ordered: bool,
                      moved: np.ndarray, piece_starts: np.ndarray, piece_ends: np.ndarray,
@@ -342,6 +372,20 @@ class TensorTable:
             np.array([t.last_forward_use for t in tensors], dtype=int), names,
             np.array([names.index(t.device) for t in tensors], dtype=int),
             {t.name: t.backward_consumers[0] for t in tensors if t.backward_consumers})
+
+
+def _native_step(durations: np.ndarray, prefix: np.ndarray, table: TensorTable,
+                 model: DeviceModel):
+    """The compiled simulator's copy of what does not depend on the decisions; None where it is
+    not built, or TF_UCUDNN_SIMULATOR=numpy asks for the numpy one."""
+    if _step_simulator is None or os.environ.get("TF_UCUDNN_SIMULATOR") == "numpy":
+        return None
+    backward = [t.backward_consumers for t in table.tensors]
+    return _step_simulator.Step(
+        durations, prefix, table.producers, table.lasts, table.sizes, table.last_forward_uses,
+        np.cumsum([0, *map(len, backward)]), [op for ops in backward for op in ops],
+        table.devices, len(table.device_names), dict(table.index),
+        [t.name for t in table.tensors], model.device_to_host, model.host_to_device)
 
 
 PREPARED_KEPT = 64  # tuples of recomputations prepared and kept: a round's few
