@@ -159,11 +159,21 @@ def machine(gpu_device):
 
 
 def _geometry(cfg, dtype=tf.float32):
+    explicit = not isinstance(cfg.padding, str)  # [before, after] pairs over every dim
     return ConvLayer("layer", "Conv2D", cfg.input_shape, cfg.filter_shape,
                      strides=tuple(cfg.full(cfg.spatial_strides)),
-                     dilations=tuple(cfg.full(cfg.spatial_dilations)), padding=cfg.padding,
-                     explicit_paddings=(), data_format=cfg.fmt, dtype=dtype.name,
+                     dilations=tuple(cfg.full(cfg.spatial_dilations)),
+                     padding="EXPLICIT" if explicit else cfg.padding,
+                     explicit_paddings=tuple(v for pair in cfg.padding for v in pair)
+                     if explicit else (), data_format=cfg.fmt, dtype=dtype.name,
                      groups=cfg.groups).cudnn_geometry()
+
+
+def test_geometries_keep_their_padding():
+    """The GPU tests measure each configuration's own geometry."""
+    stem = _geometry(CONFIGS[SPACE_TO_DEPTH]["NCHW-7x7-s2-pad3"])
+    assert stem.pads == (3, 3) and stem.can_space_to_depth
+    assert _geometry(CONFIGS[SUBSAMPLED]["NCHW-s2"]).can_subsample
 
 
 # The copy of the input (or its gradient) cuDNN is given per sample, in float32 bytes: the
