@@ -22,7 +22,7 @@ CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
       kernel_(kernel),
       g_(g),
       type_(type),
-      layout_(g, type, form),
+      layout_(g, type == CUDNN_DATA_DOUBLE, form),
       buffers_(buffers) {}
 
 absl::Status CudnnConvolution::Prepare(const std::vector<MicroBatch>& micro_batches,

@@ -112,9 +112,9 @@ CopySide UnblockedSide(const std::vector<int64_t>& strides, const std::vector<in
 
 }  // namespace
 
-CudnnLayout::CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, ConvForm form)
+CudnnLayout::CudnnLayout(const ConvGeometry& g, bool float64, ConvForm form)
     : g_(g),
-      channels_last_(g.channels_last && type != CUDNN_DATA_DOUBLE),
+      channels_last_(g.channels_last && !float64),
       transposed_(channels_last_ != g.channels_last),
       form_(form),
       cudnn_in_channels_(g.GroupInChannels()),

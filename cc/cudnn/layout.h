@@ -6,8 +6,6 @@
 #include <cstdint>
 #include <vector>
 
-#include <cudnn.h>
-
 #include "cc/conv/conv_geometry.h"
 #include "cc/conv/micro_batch_plan.h"
 #include "cc/cudnn/strided_copy.h"
@@ -17,7 +15,8 @@ namespace tf_ucudnn {
 // cuDNN pads symmetrically: it gets the smaller side of each dimension, and the rest is added to
 // a copy of the micro-batch's input. cuDNN's legacy API has no float64 kernels for channels-last
 // layouts (TensorFlow runs those channels-first too), so float64 NHWC/NDHWC micro-batches are
-// transposed on their way in and out. Dims are in cuDNN's logical order: [N, C, spatial...] for
+// transposed on their way in and out. (No cuDNN header: the copies are checked on machines without
+// one, tests/kernels/test_layout_copies.py.) Dims are in cuDNN's logical order: [N, C, spatial...] for
 // tensors, [K, C / groups, spatial...] for filters (the groups are the convolution descriptor's).
 //
 // The other forms (ConvForm, CheckForm) give cuDNN a stride-1 convolution in place of a strided
@@ -30,8 +29,9 @@ namespace tf_ucudnn {
 // which cuDNN's kernels run far better.
 class CudnnLayout {
  public:
-  // `g` must outlive the layout; a `form` other than kDirect needs CheckForm(g, form).
-  CudnnLayout(const ConvGeometry& g, cudnnDataType_t type, ConvForm form = ConvForm::kDirect);
+  // `g` must outlive the layout; `float64`: its elements are (cuDNN's CUDNN_DATA_DOUBLE); a `form`
+  // other than kDirect needs CheckForm(g, form).
+  CudnnLayout(const ConvGeometry& g, bool float64, ConvForm form = ConvForm::kDirect);
 
   bool channels_last() const { return channels_last_; }  // the layout cuDNN sees
   bool transposed() const { return transposed_; }        // ... differs from the op's

@@ -57,7 +57,7 @@ class CudnnFusedConvolution {
       : resources_(resources),
         g_(g),
         type_(type),
-        layout_(g, type),
+        layout_(g, type == CUDNN_DATA_DOUBLE),
         activation_(activation),
         buffers_(buffers) {}
 
