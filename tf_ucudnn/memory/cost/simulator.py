@@ -125,17 +125,25 @@ class StepSimulator:
         # their arithmetic is the arrays' (IEEE doubles).
         self.durations_list = self.durations.tolist()
         self.prefix_list = self.prefix.tolist()
-        # Per device, the bytes each op allocates (of the tensors it makes) and frees (of those
-        # it reads last), as if every tensor were held from its producer to its last reader.
-        shape = (len(self.table.device_names), len(self.durations))
-        self.allocated, self.freed = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-        np.add.at(self.allocated, (self.table.devices, self.table.producers), self.table.sizes)
-        np.add.at(self.freed, (self.table.devices, self.table.lasts), self.table.sizes)
-        # Their running sums, for the peak of each prediction without a pass over the ops.
-        self.op_start_peaks = [OpStartPeaks(allocated, freed)
-                               for allocated, freed in zip(self.allocated, self.freed)]
         self.prepared: dict[int, tuple] = {}  # id of a tuple of recomputations -> `_prepared`
         self.native = _native_step(self.durations, self.prefix, self.table, model)
+
+    # What only the numpy predictions read, made when they first need it (the compiled simulator
+    # keeps its own): per device, the bytes each op allocates (of the tensors it makes) and frees
+    # (of those it reads last), as if every tensor were held from its producer to its last
+    # reader, and their running sums, for each prediction's peak without a pass over the ops.
+    @functools.cached_property
+    def allocated_and_freed(self) -> tuple[np.ndarray, np.ndarray]:
+        shape = (len(self.table.device_names), len(self.durations))
+        allocated, freed = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        np.add.at(allocated, (self.table.devices, self.table.producers), self.table.sizes)
+        np.add.at(freed, (self.table.devices, self.table.lasts), self.table.sizes)
+        return allocated, freed
+
+    @functools.cached_property
+    def op_start_peaks(self) -> list[OpStartPeaks]:
+        return [OpStartPeaks(allocated, freed)
+                for allocated, freed in zip(*self.allocated_and_freed)]
 
     def predict(self, swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
                 recomputes: Sequence[RecomputeDecision] = (), check: bool = True) -> Prediction:
@@ -330,7 +338,7 @@ class StepSimulator:
             piece_starts, piece_ends, piece_sizes)
         if found is not None:
             return found
-        allocated, freed = self.allocated[device].copy(), self.freed[device].copy()
+        allocated, freed = (per_device[device].copy() for per_device in self.allocated_and_freed)
         np.subtract.at(allocated, table.producers[moved], table.sizes[moved])
         np.subtract.at(freed, table.lasts[moved], table.sizes[moved])
         found = peak_from_op_events(start, end, allocated, freed, piece_starts, piece_ends,
