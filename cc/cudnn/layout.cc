@@ -227,37 +227,37 @@ StridedCopy CudnnLayout::OutputCopy(int64_t size, bool to_cudnn) const {
 // is cuDNN's tap (row, column) of channel c * s * s + dy * s + dx; taps past the filter's are
 // zeros in cuDNN's, and their gradients are not copied back.
 StridedCopy CudnnLayout::BlockedFilterCopy(bool to_cudnn) const {
-  StridedCopy copy;
-  copy.rank = 6;
-  const int64_t dims[] = {g_.out_channels, g_.in_channels, block_, block_, filter_spatial_[0],
-                          filter_spatial_[1]};
-  std::copy(dims, dims + 6, copy.dims);
-  const CopySide cudnn = BlockedSide(LogicalStrides(FilterDims(), channels_last_), block_);
   const CopySide tensorflow =
       UnblockedSide(TensorFlowFilterStrides(g_),
                     {g_.out_channels, g_.in_channels, g_.filter_spatial[0], g_.filter_spatial[1]},
                     {0, 0, 0, 0}, block_);
-  copy.src = to_cudnn ? tensorflow : cudnn;
-  copy.dst = to_cudnn ? cudnn : tensorflow;
-  copy.blocked = true;
-  return copy;
+  return BlockedCopy(g_.out_channels, LogicalStrides(FilterDims(), channels_last_), filter_spatial_,
+                     tensorflow, to_cudnn);
 }
 
 // Copy dims [N, C, dy, dx, row, column]: input element (row * s + dy, column * s + dx) of the
 // padded input is cuDNN's (row, column) of channel c * s * s + dy * s + dx; padding reads zero,
 // and nothing is copied back to it.
 StridedCopy CudnnLayout::BlockedInputCopy(int64_t size, bool to_cudnn) const {
-  StridedCopy copy;
-  copy.rank = 6;
-  const int64_t dims[] = {size, g_.in_channels, block_, block_, padded_spatial_[0],
-                          padded_spatial_[1]};
-  std::copy(dims, dims + 6, copy.dims);
   const auto input = LogicalDims(size, g_.in_channels, g_.input_spatial);
-  const CopySide cudnn = BlockedSide(LogicalStrides(InputDims(size), channels_last_), block_);
   const CopySide op = UnblockedSide(LogicalStrides(input, g_.channels_last), input,
                                     {0, 0, -g_.pad_before[0], -g_.pad_before[1]}, block_);
-  copy.src = to_cudnn ? op : cudnn;
-  copy.dst = to_cudnn ? cudnn : op;
+  return BlockedCopy(size, LogicalStrides(InputDims(size), channels_last_), padded_spatial_, op,
+                     to_cudnn);
+}
+
+// Between `other` and cuDNN's tensor in blocks, of `cudnn_strides` and spatial dims `blocked`,
+// over copy dims [outer, C, dy, dx, row, column].
+StridedCopy CudnnLayout::BlockedCopy(int64_t outer, const std::vector<int64_t>& cudnn_strides,
+                                     const std::vector<int64_t>& blocked, const CopySide& other,
+                                     bool to_cudnn) const {
+  StridedCopy copy;
+  copy.rank = 6;
+  const int64_t dims[] = {outer, g_.in_channels, block_, block_, blocked[0], blocked[1]};
+  std::copy(dims, dims + 6, copy.dims);
+  const CopySide cudnn = BlockedSide(cudnn_strides, block_);
+  copy.src = to_cudnn ? other : cudnn;
+  copy.dst = to_cudnn ? cudnn : other;
   copy.blocked = true;
   return copy;
 }

@@ -61,6 +61,9 @@ class CudnnLayout {
  private:
   StridedCopy BlockedFilterCopy(bool to_cudnn) const;
   StridedCopy BlockedInputCopy(int64_t size, bool to_cudnn) const;
+  StridedCopy BlockedCopy(int64_t outer, const std::vector<int64_t>& cudnn_strides,
+                          const std::vector<int64_t>& blocked, const CopySide& other,
+                          bool to_cudnn) const;
 
   const ConvGeometry& g_;
   bool channels_last_ = false;
