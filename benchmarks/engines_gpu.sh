@@ -5,7 +5,8 @@
 # ops; set it empty to skip them), then microbatch_speedup.py (MODELS at batch 256, LIMITS MiB per
 # kernel) with legacy algorithms and engine configurations, side by side with TensorFlow's own
 # ops. DATABASE names a profile database to measure into (default: a new one in the run's folder);
-# GPU_TIMES=1 adds each kernel's GPU time from TensorFlow's profiler.
+# GPU_TIMES=1 adds each kernel's GPU time from TensorFlow's profiler; DATA_FORMAT=channels_last
+# measures the models in NHWC.
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/engines_gpu.sh start
 #   bash benchmarks/engines_gpu.sh wait SECONDS        (until it says "finished")
@@ -27,6 +28,7 @@ print('engines available:', l.engines_available())"; } > "$run/device.txt" 2>&1
     -p no:cacheprovider > "$run/tests.log" 2>&1
   python3 benchmarks/microbatch_speedup.py --models ${MODELS:-alexnet resnet50 mobilenet_v2} \
     --batch "${BATCH:-256}" --limits-mib ${LIMITS:-64} ${GPU_TIMES:+--gpu-times} \
+    --data-format "${DATA_FORMAT:-channels_first}" \
     --database "${DATABASE:-$run/profiles.sqlite}" --out "$run/microbatch_speedup.json" 2>&1 \
     | grep --line-buffered -v "^W0000\|^I0000" > "$run/microbatch_speedup.log"
 }

@@ -10,6 +10,8 @@ plain-TensorFlow reference.
 
     python benchmarks/microbatch_speedup.py --models alexnet resnet50 mobilenet_v2 --batch 256 \
         --limits-mib 8 64 512 --out benchmarks/results/microbatch_speedup_h100.json
+
+`--data-format channels_last` measures the models in NHWC, Keras's default layout.
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ class Timing:
 
 
 def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
-                    call_overhead_ms, engines):
-    model = models.load_model(name, "channels_first")
+                    call_overhead_ms, engines, data_format):
+    model = models.load_model(name, data_format)
     layers, skipped = find_conv_layers(trace_model(model, batch))
     geometries = unique_geometries(layers)
     depthwise = {layer.name for layer in layers if layer.op_type == DEPTHWISE}
@@ -246,17 +248,22 @@ def main():
     parser.add_argument("--legacy-only", action="store_true",
                         help="plan with cuDNN's legacy algorithms alone, not its engine "
                              "configurations")
+    parser.add_argument("--data-format", choices=["channels_first", "channels_last"],
+                        default="channels_first",
+                        help="the models' layout: NCHW, as μ-cuDNN measured, or NHWC, Keras's "
+                             "default")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    # Each op runs in the layout it is given: Grappler would transpose TensorFlow's NCHW ops
-    # inside the timed functions (it does not know tf_ucudnn's).
+    # Each op runs in the layout it is given: Grappler would transpose TensorFlow's ops inside
+    # the timed functions (it does not know tf_ucudnn's).
     tf.config.optimizer.set_experimental_options({"layout_optimizer": False})
     machine = current_machine()
     engines = engines_available() and not args.legacy_only
     results = {"benchmark": "microbatch_speedup", "device": machine.device,
                "cudnn_version": machine.cudnn_version, "tensorflow": tf.__version__,
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
-               "host": platform.node(), "dtype": "float32", "layout": "NCHW",
+               "host": platform.node(), "dtype": "float32",
+               "layout": "NCHW" if args.data_format == "channels_first" else "NHWC",
                "timing": f"median of {args.repeats} x mean of {args.calls} calls (operands of "
                          "their own) in one tf.function" + ("; gpu_ms: the kernels and copies "
                                                            "of one profiled run"
@@ -271,7 +278,8 @@ def main():
         for name in args.models:
             results["models"].append(benchmark_model(name, args.batch, args.limits_mib, database,
                                                      machine, timing, args.calls,
-                                                     args.call_overhead_ms, engines))
+                                                     args.call_overhead_ms, engines,
+                                                     args.data_format))
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
     for model in results["models"]:
