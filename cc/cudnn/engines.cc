@@ -218,6 +218,103 @@ std::string KnobName(fe::KnobType_t type) {
   return absl::StrCat("KNOB_", static_cast<int64_t>(type));  // newer than this build's table
 }
 
+// Knobs that trade workspace for speed: the heuristics offer one value of each per configuration,
+// and a value they pass over (WORKSPACE:1, a smaller split-K) can be what fits a micro-batch's
+// limit, or what makes its extra workspace pay.
+bool TradesWorkspace(fe::KnobType_t type) {
+  switch (type) {
+    case fe::KnobType_t::WORKSPACE:
+    case fe::KnobType_t::SPLIT_K_BUF:
+    case fe::KnobType_t::SPLIT_K_SLC:
+    case fe::KnobType_t::REDUCTION_MODE:
+    case fe::KnobType_t::STREAM_K:
+    case fe::KnobType_t::SPLIT_P_SLC:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// At most this many values of one knob: every value where it has few, else the range's ends and
+// the powers of two in it, spread evenly.
+constexpr size_t kMaxValuesPerKnob = 8;
+// At most this many knob variants per problem: each is built and timed like the heuristics'
+// configurations (milliseconds of host time each, at every micro-batch size).
+constexpr int kMaxKnobVariants = 32;
+
+std::vector<int64_t> KnobValues(const fe::Knob& knob) {
+  if (knob.stride <= 0 || knob.maxValue < knob.minValue) return {};
+  const int64_t last = knob.minValue + (knob.maxValue - knob.minValue) / knob.stride * knob.stride;
+  std::set<int64_t> values = {knob.minValue, last};
+  if (static_cast<size_t>((last - knob.minValue) / knob.stride + 1) <= kMaxValuesPerKnob) {
+    for (int64_t v = knob.minValue; v <= last; v += knob.stride) values.insert(v);
+  } else {
+    for (int64_t p = 1; p > 0 && p <= last; p *= 2) {
+      if (p > knob.minValue && (p - knob.minValue) % knob.stride == 0) values.insert(p);
+    }
+  }
+  const std::vector<int64_t> all(values.begin(), values.end());
+  if (all.size() <= kMaxValuesPerKnob) return all;
+  std::vector<int64_t> spread;
+  for (size_t i = 0; i < kMaxValuesPerKnob; ++i) {
+    spread.push_back(all[i * (all.size() - 1) / (kMaxValuesPerKnob - 1)]);
+  }
+  return spread;
+}
+
+using KnobChoices = std::unordered_map<fe::KnobType_t, int64_t>;
+
+std::string ConfigKey(int64_t engine, const KnobChoices& knobs) {
+  std::vector<std::pair<int64_t, int64_t>> sorted;
+  for (const auto& [type, value] : knobs) sorted.emplace_back(static_cast<int64_t>(type), value);
+  std::sort(sorted.begin(), sorted.end());
+  std::string key = absl::StrCat(engine);
+  for (const auto& [type, value] : sorted) absl::StrAppend(&key, ",", type, ":", value);
+  return key;
+}
+
+// Adds to the graph's candidates the configurations one workspace-trading knob away from the
+// first configuration the heuristics offered of each engine (cuDNN's knob ranges, KnobValues),
+// up to kMaxKnobVariants, the engines taken in turn in the heuristics' order. A variant cuDNN
+// rejects is not added; check_support and the workspace limit then treat the variants as they do
+// the heuristics' configurations.
+void AddKnobVariants(fe::graph::Graph& graph) {
+  std::set<std::string> known;
+  std::set<int64_t> engines_seen;
+  std::vector<std::vector<std::pair<int64_t, KnobChoices>>> variants_by_engine;
+  const int64_t offered = graph.get_execution_plan_count();
+  for (int64_t i = 0; i < offered; ++i) {
+    int64_t engine = 0;
+    KnobChoices knobs;
+    if (!graph.get_engine_and_knobs_at_index(i, engine, knobs).is_good()) continue;
+    knobs.erase(fe::KnobType_t::NOT_SET);  // a knob this frontend cannot name keeps its default
+    known.insert(ConfigKey(engine, knobs));
+    if (!engines_seen.insert(engine).second) continue;
+    std::vector<fe::Knob> ranges;
+    if (!graph.get_knobs_for_engine(engine, ranges).is_good()) continue;
+    auto& variants = variants_by_engine.emplace_back();
+    for (const fe::Knob& range : ranges) {
+      if (!TradesWorkspace(range.type)) continue;
+      for (int64_t value : KnobValues(range)) {
+        KnobChoices variant = knobs;
+        variant[range.type] = value;
+        variants.emplace_back(engine, std::move(variant));
+      }
+    }
+  }
+  size_t rounds = 0;
+  for (const auto& variants : variants_by_engine) rounds = std::max(rounds, variants.size());
+  int added = 0;
+  for (size_t round = 0; round < rounds && added < kMaxKnobVariants; ++round) {
+    for (const auto& variants : variants_by_engine) {
+      if (round >= variants.size() || added == kMaxKnobVariants) continue;
+      const auto& [engine, knobs] = variants[round];
+      if (!known.insert(ConfigKey(engine, knobs)).second) continue;
+      if (graph.create_execution_plan(engine, knobs).is_good()) ++added;
+    }
+  }
+}
+
 // A configuration's graph with its one execution plan built.
 struct PreparedEngine {
   std::shared_ptr<fe::graph::Graph> graph;
@@ -236,6 +333,7 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   TF_UCUDNN_RETURN_IF_FE_ERROR(
       graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
       "cuDNN heuristics");
+  AddKnobVariants(*graph);
   graph->deselect_workspace_greater_than(workspace_limit);
   graph->deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
   if (problem.deterministic_only) {
@@ -246,7 +344,9 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   }
   // Some configurations fail their support check; those are left out, not an error.
   (void)graph->check_support(handle);
-  std::set<std::string> seen;  // mode A and the fallback list may offer the same configuration
+  // Mode A and the fallback list may offer the same configuration, and a knob cuDNN ignores
+  // leaves a variant the same as another.
+  std::set<std::string> seen;
   for (int64_t i = 0; i < graph->get_execution_plan_count(); ++i) {
     int64_t workspace = 0;
     if (!graph->build_plan_at_index(handle, i).is_good()) continue;

@@ -52,7 +52,9 @@ struct EngineTiming {
 // Whether this build can use engines (the frontend's headers were found).
 bool EnginesAvailable();
 
-// The engine configurations of heuristics modes A and FALLBACK, deduplicated, that need at most
+// The engine configurations of heuristics modes A and FALLBACK, and those one workspace-trading
+// knob (WORKSPACE, split-K's, REDUCTION_MODE, STREAM_K, SPLIT_P_SLC) away from each engine's
+// first, through the values cuDNN gives the knob's range, deduplicated, that need at most
 // `workspace_limit` bytes (cudnn-frontend's deselect_workspace_greater_than) and cuDNN supports.
 // Configurations that compile their kernels at run time (nvrtc) are left out: building one takes
 // seconds, paid again by every process for every micro-batch size.

@@ -1,6 +1,7 @@
 """cuDNN graph-API engine configurations on the GPU: every configuration the profiler lists for a
-kernel computes the same convolution as TensorFlow when a plan names it, alone or beside legacy
-algorithms in one plan, eagerly and under XLA, and in the fused convolution op."""
+kernel (the knob variants beside the heuristics' own among them) computes the same convolution as
+TensorFlow when a plan names it, alone or beside legacy algorithms in one plan, eagerly and under
+XLA, and in the fused convolution op."""
 
 import pytest
 import reference
@@ -25,6 +26,9 @@ CONFIGS = {
 }
 # Configurations run per case, so that a case stays a few seconds.
 MOST_CONFIGURATIONS = 8
+# The knobs ListEngineConfigs varies from each engine's first configuration.
+WORKSPACE_KNOBS = {"WORKSPACE", "SPLIT_K_BUF", "SPLIT_K_SLC", "REDUCTION_MODE", "STREAM_K",
+                   "SPLIT_P_SLC"}
 
 
 @pytest.fixture
@@ -51,6 +55,22 @@ def _engines_at(machine, cfg, kernel, sizes, dtype=tf.float32):
     return sorted(common, key=lambda a: a.order_key)[:MOST_CONFIGURATIONS]
 
 
+def _one_knob_apart(algorithms):
+    """The configurations one workspace-trading knob away from another of their engine."""
+    apart = []
+    for algorithm in algorithms:
+        knobs = dict(algorithm.knobs)
+        for other in algorithms:
+            other_knobs = dict(other.knobs)
+            differing = {name for name in knobs.keys() | other_knobs.keys()
+                         if knobs.get(name) != other_knobs.get(name)}
+            if other.engine == algorithm.engine and len(differing) == 1 \
+                    and differing <= WORKSPACE_KNOBS:
+                apart.append(algorithm)
+                break
+    return apart
+
+
 def _operands(cfg, rng, dtype=tf.float32):
     return (reference.random(cfg.input_shape, dtype, rng),
             reference.random(cfg.filter_shape, dtype, rng),
@@ -73,6 +93,31 @@ def test_every_listed_engine_configuration_is_right(machine, gpu_device, kernel,
         # Two micro-batches' filter gradients are added in float32 (cudnnAddTensor).
         reference.assert_close(result, expected, scale, tf.float32, f"{kernel} {engine}",
                                roundings=2 if kernel == "bwd_filter" else 1)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_configurations_one_workspace_knob_apart_are_listed_and_right(machine, gpu_device, kernel,
+                                                                      rng):
+    listed = 0
+    for config in sorted(CONFIGS):
+        cfg = CONFIGS[config]
+        records = profiler.measure(_geometry(cfg, tf.float32), kernel, [2, 3], machine,
+                                   candidates=profiler.ENGINES)
+        common = ({r.algorithm for r in records if r.batch_size == 2}
+                  & {r.algorithm for r in records if r.batch_size == 3})
+        apart = sorted(_one_knob_apart(list(common)), key=lambda a: a.order_key)
+        listed += len(apart)
+        x, w, dy = _operands(cfg, rng)
+        expected = reference.kernel_result(kernel, cfg, x, w, dy)
+        scale = reference.kernel_result(kernel, cfg, tf.abs(x), tf.abs(w), tf.abs(dy))
+        for engine in apart[:MOST_CONFIGURATIONS // 2]:
+            plan = reference.kernel_plan([2, 3], kernel, [engine.to_attr()])
+            with tf.device(gpu_device):
+                result = reference.run_kernel(kernel, cfg, x, w, dy, plan)
+            reference.assert_close(result, expected, scale, tf.float32,
+                                   f"{kernel} {config} {engine}",
+                                   roundings=2 if kernel == "bwd_filter" else 1)
+    assert listed, f"no two {kernel} configurations of an engine one workspace knob apart"
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=["float32", "float16"])
