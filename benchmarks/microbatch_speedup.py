@@ -31,7 +31,13 @@ import tensorflow as tf
 import tf_ucudnn
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
-from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
+from tf_ucudnn.graph.conv_layers import (
+    CONV_OP_TYPES,
+    DEPTHWISE,
+    find_conv_layers,
+    trace_model,
+    unique_geometries,
+)
 from tf_ucudnn.keras import models
 from tf_ucudnn.kernels.library import engines_available
 from tf_ucudnn.profiling import ProfileDatabase, step_trace
@@ -159,7 +165,9 @@ class Timing:
 def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                     call_overhead_ms, engines, data_format):
     model = models.load_model(name, data_format)
-    layers, skipped = find_conv_layers(trace_model(model, batch))
+    graph = trace_model(model, batch)
+    layers, skipped = find_conv_layers(graph)
+    untrained_inputs = layers_without_input_gradient(graph)
     geometries = unique_geometries(layers)
     depthwise = {layer.name for layer in layers if layer.op_type == DEPTHWISE}
     profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database,
@@ -178,6 +186,9 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                 reference = timing.measure(
                     _tensorflow_runner(g, kernel, tensorflow_op == DEPTHWISE), operands)
                 row = {"geometry": str(g), "layers": names, "kernel": kernel,
+                       "training_layers": sum(kernel != BACKPROP_INPUT
+                                              or layer not in untrained_inputs
+                                              for layer in names),
                        "tensorflow_op": tensorflow_op,
                        **{f"tensorflow_{key}": value for key, value in reference.items()},
                        "limits": {}}
@@ -206,17 +217,41 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                     for limit, e in row["limits"].items()), flush=True)
     return {"model": name, "batch": batch, "conv_layers": len(layers),
             "distinct_geometries": len(geometries), "skipped": skipped, "kernels": rows,
-            "totals": _totals(rows, limits_mib)}
+            "totals": network_totals(rows, limits_mib),
+            "training_totals": network_totals(rows, limits_mib, training=True)}
 
 
-def _totals(rows, limits_mib):
-    """Whole-network sums (each geometry counted once per layer using it)."""
-    totals = {key: sum(len(r["layers"]) * r[key] for r in rows)
+def layers_without_input_gradient(graph: tf.Graph) -> set[str]:
+    """The convolutions whose input no variable feeds (the model's images, padded or scaled):
+    training never computes their input gradient."""
+    untrained = set()
+    for op in graph.get_operations():
+        if op.type not in CONV_OP_TYPES:
+            continue
+        pending, seen = [op.inputs[0].op], set()
+        while pending:
+            upstream = pending.pop()
+            if upstream.name in seen:
+                continue
+            seen.add(upstream.name)
+            if upstream.type in ("ReadVariableOp", "VarHandleOp", "VariableV2"):
+                break
+            pending.extend(tensor.op for tensor in upstream.inputs)
+        else:
+            untrained.add(op.name)
+    return untrained
+
+
+def network_totals(rows, limits_mib, training=False):
+    """Whole-network sums, each geometry counted once per layer using it; with `training`, only
+    the kernels a training step runs (no input gradient of a layer fed by the images)."""
+    count = (lambda r: r["training_layers"]) if training else (lambda r: len(r["layers"]))
+    result = {key: sum(count(r) * r[key] for r in rows)
               for key in ("tensorflow_ms", "tensorflow_gpu_ms") if key in rows[0]}
     for limit in limits_mib:
         entry = {}
         for label in ("undivided", "micro_batched"):
-            runs = [(len(r["layers"]), r["limits"][str(limit)][label]) for r in rows]
+            runs = [(count(r), r["limits"][str(limit)][label]) for r in rows]
             if any("error" in run for _, run in runs):
                 entry[label] = None
                 continue
@@ -228,8 +263,8 @@ def _totals(rows, limits_mib):
                                          / entry["micro_batched"]["measured_ms"])
             entry["predicted_speedup"] = (entry["undivided"]["predicted_ms"]
                                           / entry["micro_batched"]["predicted_ms"])
-        totals[f"{limit}MiB"] = entry
-    return totals
+        result[f"{limit}MiB"] = entry
+    return result
 
 
 def main():
@@ -299,6 +334,11 @@ def main():
                   f"micro-batched {entry['micro_batched']['measured_ms']:8.1f} ms{gpu} -> "
                   f"{entry['measured_speedup']:.2f}x measured "
                   f"({entry['predicted_speedup']:.2f}x predicted)")
+            training = model["training_totals"]
+            if training["tensorflow_ms"] != totals["tensorflow_ms"]:
+                print(f"            the kernels training runs: TensorFlow's "
+                      f"{training['tensorflow_ms']:.1f} ms, micro-batched "
+                      f"{training[f'{limit}MiB']['micro_batched']['measured_ms']:.1f} ms")
 
 
 if __name__ == "__main__":
