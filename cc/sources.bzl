@@ -29,6 +29,7 @@ GPU_SOURCES = [
     "cc/cudnn/cudnn_support.cc",
     "cc/cudnn/engines.cc",
     "cc/cudnn/environment.cc",
+    "cc/cudnn/knob_variants.cc",
     "cc/cudnn/layout.cc",
     "cc/cudnn/types.cc",
     "cc/fused_conv/cudnn_fused_convolution.cc",

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cc/cudnn/cudnn_support.h"
+#include "cc/cudnn/knob_variants.h"
 #include "tensorflow/core/platform/errors.h"
 
 #if TF_UCUDNN_CUDNN_FRONTEND
@@ -218,9 +219,7 @@ std::string KnobName(fe::KnobType_t type) {
   return absl::StrCat("KNOB_", static_cast<int64_t>(type));  // newer than this build's table
 }
 
-// Knobs that trade workspace for speed: the heuristics offer one value of each per configuration,
-// and a value they pass over (WORKSPACE:1, a smaller split-K) can be what fits a micro-batch's
-// limit, or what makes its extra workspace pay.
+// The knobs whose values the listing varies (knob_variants.h says why).
 bool TradesWorkspace(fe::KnobType_t type) {
   switch (type) {
     case fe::KnobType_t::WORKSPACE:
@@ -235,83 +234,42 @@ bool TradesWorkspace(fe::KnobType_t type) {
   }
 }
 
-// At most this many values of one knob: every value where it has few, else the range's ends and
-// the powers of two in it, spread evenly.
-constexpr size_t kMaxValuesPerKnob = 8;
-// At most this many knob variants per problem: each is built and timed like the heuristics'
-// configurations (milliseconds of host time each, at every micro-batch size).
-constexpr int kMaxKnobVariants = 32;
-
-std::vector<int64_t> KnobValues(const fe::Knob& knob) {
-  if (knob.stride <= 0 || knob.maxValue < knob.minValue) return {};
-  const int64_t last = knob.minValue + (knob.maxValue - knob.minValue) / knob.stride * knob.stride;
-  std::set<int64_t> values = {knob.minValue, last};
-  if (static_cast<size_t>((last - knob.minValue) / knob.stride + 1) <= kMaxValuesPerKnob) {
-    for (int64_t v = knob.minValue; v <= last; v += knob.stride) values.insert(v);
-  } else {
-    for (int64_t p = 1; p > 0 && p <= last; p *= 2) {
-      if (p > knob.minValue && (p - knob.minValue) % knob.stride == 0) values.insert(p);
-    }
-  }
-  const std::vector<int64_t> all(values.begin(), values.end());
-  if (all.size() <= kMaxValuesPerKnob) return all;
-  std::vector<int64_t> spread;
-  for (size_t i = 0; i < kMaxValuesPerKnob; ++i) {
-    spread.push_back(all[i * (all.size() - 1) / (kMaxValuesPerKnob - 1)]);
-  }
-  return spread;
-}
-
-using KnobChoices = std::unordered_map<fe::KnobType_t, int64_t>;
-
-std::string ConfigKey(int64_t engine, const KnobChoices& knobs) {
-  std::vector<std::pair<int64_t, int64_t>> sorted;
-  for (const auto& [type, value] : knobs) sorted.emplace_back(static_cast<int64_t>(type), value);
-  std::sort(sorted.begin(), sorted.end());
-  std::string key = absl::StrCat(engine);
-  for (const auto& [type, value] : sorted) absl::StrAppend(&key, ",", type, ":", value);
-  return key;
-}
-
-// Adds to the graph's candidates the configurations one workspace-trading knob away from the
-// first configuration the heuristics offered of each engine (cuDNN's knob ranges, KnobValues),
-// up to kMaxKnobVariants, the engines taken in turn in the heuristics' order. A variant cuDNN
-// rejects is not added; check_support and the workspace limit then treat the variants as they do
-// the heuristics' configurations.
+// Adds to the graph's candidates the knob variants KnobVariants chooses from the heuristics'
+// configurations and cuDNN's knob ranges. A variant cuDNN rejects is not added; check_support and
+// the workspace limit then treat the variants as they do the heuristics' configurations.
 void AddKnobVariants(fe::graph::Graph& graph) {
   std::set<std::string> known;
   std::set<int64_t> engines_seen;
-  std::vector<std::vector<std::pair<int64_t, KnobChoices>>> variants_by_engine;
+  std::vector<EngineKnobs> engines;
   const int64_t offered = graph.get_execution_plan_count();
   for (int64_t i = 0; i < offered; ++i) {
     int64_t engine = 0;
-    KnobChoices knobs;
+    std::unordered_map<fe::KnobType_t, int64_t> knobs;
     if (!graph.get_engine_and_knobs_at_index(i, engine, knobs).is_good()) continue;
-    knobs.erase(fe::KnobType_t::NOT_SET);  // a knob this frontend cannot name keeps its default
-    known.insert(ConfigKey(engine, knobs));
+    KnobMap choices;
+    for (const auto& [type, value] : knobs) {
+      // A knob this frontend cannot name keeps its default.
+      if (type != fe::KnobType_t::NOT_SET) choices[static_cast<int64_t>(type)] = value;
+    }
+    known.insert(KnobVariantKey(engine, choices));
     if (!engines_seen.insert(engine).second) continue;
     std::vector<fe::Knob> ranges;
     if (!graph.get_knobs_for_engine(engine, ranges).is_good()) continue;
-    auto& variants = variants_by_engine.emplace_back();
+    EngineKnobs& entry = engines.emplace_back();
+    entry.engine = engine;
+    entry.first = std::move(choices);
     for (const fe::Knob& range : ranges) {
       if (!TradesWorkspace(range.type)) continue;
-      for (int64_t value : KnobValues(range)) {
-        KnobChoices variant = knobs;
-        variant[range.type] = value;
-        variants.emplace_back(engine, std::move(variant));
-      }
+      entry.ranges.push_back(
+          {static_cast<int64_t>(range.type), range.minValue, range.maxValue, range.stride});
     }
   }
-  size_t rounds = 0;
-  for (const auto& variants : variants_by_engine) rounds = std::max(rounds, variants.size());
-  int added = 0;
-  for (size_t round = 0; round < rounds && added < kMaxKnobVariants; ++round) {
-    for (const auto& variants : variants_by_engine) {
-      if (round >= variants.size() || added == kMaxKnobVariants) continue;
-      const auto& [engine, knobs] = variants[round];
-      if (!known.insert(ConfigKey(engine, knobs)).second) continue;
-      if (graph.create_execution_plan(engine, knobs).is_good()) ++added;
+  for (const KnobVariant& variant : KnobVariants(engines, std::move(known))) {
+    std::unordered_map<fe::KnobType_t, int64_t> knobs;
+    for (const auto& [type, value] : variant.knobs) {
+      knobs[static_cast<fe::KnobType_t>(type)] = value;
     }
+    (void)graph.create_execution_plan(variant.engine, knobs);
   }
 }
 
