@@ -112,9 +112,9 @@ absl::Status CudnnConvolution::TimeEngines(void* cudnn_input, void* cudnn_output
                                                     status.message()));
   }
   for (EngineTiming& timing : timings) {
-    // Whether an engine is deterministic is not read from cuDNN: planners treat it as not.
     measurements->push_back({size, std::move(timing.config.spec), timing.time_ms,
-                             static_cast<size_t>(timing.config.workspace_bytes), false});
+                             static_cast<size_t>(timing.config.workspace_bytes),
+                             timing.config.deterministic});
   }
   return absl::OkStatus();
 }

@@ -305,6 +305,7 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   // Mode A and the fallback list may offer the same configuration, and a knob cuDNN ignores
   // leaves a variant the same as another.
   std::set<std::string> seen;
+  std::vector<int64_t> listed;  // each listed configuration's plan index
   for (int64_t i = 0; i < graph->get_execution_plan_count(); ++i) {
     int64_t workspace = 0;
     if (!graph->build_plan_at_index(handle, i).is_good()) continue;
@@ -322,7 +323,18 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
     }
     std::sort(info.spec.knobs.begin(), info.spec.knobs.end());
     info.workspace_bytes = workspace;
-    if (seen.insert(info.spec.ToString()).second) configs->push_back(std::move(info));
+    if (seen.insert(info.spec.ToString()).second) {
+      configs->push_back(std::move(info));
+      listed.push_back(i);
+    }
+  }
+  // Which are deterministic: deselecting cuDNN's NONDETERMINISTIC note bars the configurations
+  // that carry it, and a barred one no longer builds (a built one is not built again).
+  if (!problem.deterministic_only) {
+    graph->deselect_numeric_notes({fe::NumericalNote_t::NONDETERMINISTIC});
+  }
+  for (size_t c = 0; c < configs->size(); ++c) {
+    (*configs)[c].deterministic = graph->build_plan_at_index(handle, listed[c]).is_good();
   }
   return absl::OkStatus();
 }

@@ -41,6 +41,7 @@ struct EngineProblem {
 struct EngineConfigInfo {
   AlgorithmSpec spec;  // engine and knobs
   int64_t workspace_bytes = 0;
+  bool deterministic = false;  // without cuDNN's NONDETERMINISTIC numerical note
 };
 
 // One engine configuration's run time, from TimeEngineConfigs.

@@ -37,16 +37,16 @@ REGISTER_OP("UcudnnProfileConvolution")
 Times every candidate cuDNN can run for one kernel of a convolution at each of `batch_sizes`, on
 the given tensors (their first samples), with up to `workspace_limit` bytes of workspace:
 `candidates` 'legacy' times the legacy algorithms (cudnnFind*AlgorithmEx, with the math TensorFlow
-would use for T), 'engines' the graph-API engine configurations of cuDNN's heuristics (a warm-up
-run, then the median of five runs between CUDA events each). `form` times them as cuDNN is given
-the convolution: 'direct' as it is, 'subsampled' as a stride-1 convolution on a copy of the
-input's strided samples (a 1x1 filter, no padding, a stride above 1), 'space_to_depth' as a
-stride-1 convolution on a copy of the input in blocks of the stride (two spatial dims, one stride
-above 1, a filter of more than one tap, no dilation or groups); in the latter two each time with
-the copies' and each workspace with the copy's.
+would use for T), 'engines' the graph-API engine configurations of cuDNN's heuristics and their
+knob variants (a warm-up run, then the median of five runs between CUDA events each). `form`
+times them as cuDNN is given the convolution: 'direct' as it is, 'subsampled' as a stride-1
+convolution on a copy of the input's strided samples (a 1x1 filter, no padding, a stride above
+1), 'space_to_depth' as a stride-1 convolution on a copy of the input in blocks of the stride
+(two spatial dims, one stride above 1, a filter of more than one tap, no dilation or groups); in
+the latter two each time with the copies' and each workspace with the copy's.
 
 measurements: one row per candidate run: batch size, time in milliseconds, workspace bytes,
-  1 if known to be deterministic else 0.
+  1 if cuDNN says it is deterministic else 0.
 algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]",
   then ",subsampled=1" or ",space_to_depth=1" in those forms).
 )doc");

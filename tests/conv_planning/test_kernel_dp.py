@@ -259,14 +259,21 @@ def test_ties_between_engines_and_legacy_algorithms_follow_the_algorithm_order()
         "4@engine=3 + 2@algo=0,math=default"
 
 
-def test_deterministic_requests_leave_engine_configurations_out():
-    """Profiles do not record whether an engine configuration is deterministic."""
+def test_deterministic_requests_leave_out_engine_configurations_not_recorded_deterministic():
+    """An engine configuration profiled before determinism was recorded, or noted
+    nondeterministic, is left out; one cuDNN noted deterministic is a candidate."""
     table = {8: [AlgorithmTiming(1, "default", 2.0, 0), engine(12, 1.0, 0)]}
     assert str(fastest_configuration("bwd_filter", table, 8).plan) == "8@engine=12"
     assert str(fastest_configuration("bwd_filter", table, 8, deterministic_only=True).plan) == \
         "8@algo=1,math=default"
     with pytest.raises(NoFeasiblePlanError, match="deterministic algorithms only"):
         fastest_configuration("fwd", {8: [engine(12, 1.0, 0)]}, 8, deterministic_only=True)
+    noted = {8: [AlgorithmTiming(1, "default", 2.0, 0),
+                 dataclasses.replace(engine(12, 1.0, 0), deterministic=False),
+                 dataclasses.replace(engine(14, 1.5, 0), deterministic=True)]}
+    assert str(fastest_configuration("bwd_filter", noted, 8).plan) == "8@engine=12"
+    assert str(fastest_configuration("bwd_filter", noted, 8, deterministic_only=True).plan) == \
+        "8@engine=14"
 
 
 def in_form(timing, form=SUBSAMPLED):

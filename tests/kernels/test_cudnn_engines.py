@@ -6,6 +6,7 @@ XLA, and in the fused convolution op."""
 import pytest
 import reference
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
 
 import tf_ucudnn
 from tf_ucudnn.core.conv_layer import ConvLayer
@@ -118,6 +119,22 @@ def test_configurations_one_workspace_knob_apart_are_listed_and_right(machine, g
                                    f"{kernel} {config} {engine}",
                                    roundings=2 if kernel == "bwd_filter" else 1)
     assert listed, f"no two {kernel} configurations of an engine one workspace knob apart"
+
+
+def test_engine_records_say_whether_cudnn_notes_them_deterministic(machine, gpu_device):
+    geometry = _geometry(CONFIGS["NHWC"], tf.float32)
+    # Filter gradients: where cuDNN has nondeterministic configurations (atomics) beside others.
+    records = profiler.measure(geometry, "bwd_filter", [2], machine, candidates=profiler.ENGINES)
+    assert records and all(isinstance(r.deterministic, bool) for r in records)
+    tf_config.enable_op_determinism()
+    try:
+        strict = profiler.measure(geometry, "bwd_filter", [2], machine,
+                                  candidates=profiler.ENGINES)
+    finally:
+        tf_config.disable_op_determinism()
+    # Under op determinism the listing keeps only the configurations recorded deterministic.
+    assert strict and all(r.deterministic for r in strict)
+    assert {r.algorithm for r in strict} == {r.algorithm for r in records if r.deterministic}
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=["float32", "float16"])

@@ -221,9 +221,9 @@ def test_records_and_export_of_one_machine(tmp_path):
 
 
 def engine_record(engine=12, knobs=(("SPLIT_K_SLC", 2),), batch_size=32, time_ms=0.5,
-                  workspace_bytes=2048):
+                  workspace_bytes=2048, deterministic=None):
     return ProfileRecord(H100, 91400, GEOMETRY, "fwd", batch_size, None, None, time_ms,
-                         workspace_bytes, engine=engine, knobs=knobs)
+                         workspace_bytes, engine=engine, knobs=knobs, deterministic=deterministic)
 
 
 def test_engine_configurations_are_stored_beside_legacy_algorithms(tmp_path):
@@ -242,6 +242,57 @@ def test_engine_configurations_are_stored_beside_legacy_algorithms(tmp_path):
                                       engine_record(knobs=()), engine_record(time_ms=0.75)]
         db.export_jsonl(tmp_path / "all.jsonl")
         assert read_jsonl(tmp_path / "all.jsonl") == list(db.records())
+
+
+def test_engine_determinism_is_stored_and_read_back(tmp_path):
+    measured = [engine_record(deterministic=True), engine_record(engine=9, deterministic=False),
+                engine_record(engine=3), record()]
+    with ProfileDatabase(tmp_path / "p.db") as db:
+        db.insert(measured)
+        assert sorted(db.records(), key=repr) == sorted(measured, key=repr)
+        by_engine = {t.engine: t.deterministic
+                     for t in db.timings(H100, 91400, GEOMETRY, "fwd")[32]}
+        assert by_engine == {12: True, 9: False, 3: None, None: None}
+
+
+# Schema version 2, as tf_ucudnn wrote it before engine determinism was recorded.
+_VERSION_2_SCHEMA = """
+CREATE TABLE measurements (
+    device TEXT NOT NULL, cudnn_version INTEGER NOT NULL, dtype TEXT NOT NULL,
+    layout TEXT NOT NULL, geometry TEXT NOT NULL, kernel TEXT NOT NULL,
+    batch_size INTEGER NOT NULL, algorithm TEXT NOT NULL, time_ms REAL NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device, cudnn_version, dtype, layout, geometry, kernel, batch_size, algorithm)
+) WITHOUT ROWID
+"""
+
+
+def test_version_2_database_is_migrated_in_place(tmp_path):
+    path = tmp_path / "v2.db"
+    old = [record(algo=1, time_ms=0.5), engine_record(time_ms=0.25)]
+    connection = sqlite3.connect(path)
+    connection.execute(_VERSION_2_SCHEMA)
+    connection.executemany(
+        "INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout,
+          r.geometry.shape_key(), r.kernel, r.batch_size, r.algorithm.to_attr(), r.time_ms,
+          r.workspace_bytes) for r in old])
+    connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    connection.execute("PRAGMA user_version = 2")
+    connection.commit()
+    connection.close()
+
+    with ProfileDatabase(path) as db:
+        # Engine rows measured before: determinism not recorded.
+        assert sorted(db.records(), key=repr) == sorted(old, key=repr)
+        db.insert([engine_record(engine=9, deterministic=True)])
+        assert [t.deterministic for t in db.timings(H100, 91400, GEOMETRY, "fwd")[32]
+                if t.engine == 9] == [True]
+    connection = sqlite3.connect(path)
+    assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    connection.close()
+    with ProfileDatabase(path) as db:  # opens again as it is, now
+        assert len(db) == 3
 
 
 # Schema version 1, as tf_ucudnn wrote it before engine configurations (algo and math columns).

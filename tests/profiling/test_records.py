@@ -293,6 +293,23 @@ def test_engine_configuration_records_round_trip_as_json_lines(tmp_path):
     assert read_jsonl(tmp_path / "mixed.jsonl") == [legacy, record, no_knobs]
 
 
+def test_an_engine_records_determinism_round_trips_and_a_legacy_algorithm_has_none(tmp_path):
+    recorded = [engine_record(deterministic=True), engine_record(engine=3, deterministic=False),
+                engine_record(engine=4)]
+    lines = [r.to_json() for r in recorded]
+    assert [line.get("deterministic") for line in lines] == [True, False, None]
+    assert "deterministic" not in lines[2]  # not recorded: as lines written before it was
+    assert [r.timing.deterministic for r in recorded] == [True, False, None]
+    write_jsonl(tmp_path / "d.jsonl", recorded)
+    assert read_jsonl(tmp_path / "d.jsonl") == recorded
+    for bad in (dict(deterministic=1), dict(deterministic="yes")):
+        with pytest.raises(ValueError, match="deterministic"):
+            engine_record(**bad)
+    with pytest.raises(ValueError, match="not given for a legacy algorithm"):
+        ProfileRecord(H100, 91400, ALEXNET_CONV2, "fwd", 32, 1, "default", 0.2, 0,
+                      deterministic=True)
+
+
 def test_lines_written_before_engines_load_as_before(profiles_dir):
     """A line of the measured files, and one of this module's layout as written before engines."""
     shared = json.loads((profiles_dir / "h100-cudnn9.14-fp32-nchw.jsonl").open().readline())

@@ -52,9 +52,11 @@ def is_deterministic(kernel: str, algo: int) -> bool:
 
 
 def _usable_when_deterministic(kernel: str, timing: AlgorithmTiming) -> bool:
-    # Profiles do not record whether an engine configuration is deterministic (cuDNN's numerical
-    # notes say, but are not measured into records), so none is trusted to be.
-    return not timing.algorithm.is_engine and is_deterministic(kernel, timing.algo)
+    # An engine configuration's determinism is what cuDNN's notes said when it was profiled;
+    # one profiled before that was recorded is not trusted to be.
+    if timing.algorithm.is_engine:
+        return timing.deterministic is True
+    return is_deterministic(kernel, timing.algo)
 
 
 class NoFeasiblePlanError(TfUcudnnError, ValueError):

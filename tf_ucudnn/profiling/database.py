@@ -9,8 +9,9 @@ of records in one transaction.
 
 A file that is not SQLite, is damaged, or is SQLite but not ours (no tf_ucudnn application id, or
 another schema version) raises `ProfileDatabaseError` naming the file and the reason; a foreign file
-is never written to. A file of schema version 1 (legacy algorithms only, in `algo` and `math`
-columns) is migrated in place to the current version when opened.
+is never written to. A file of an earlier schema version is migrated in place to the current one
+when opened: version 1 kept legacy algorithms only, in `algo` and `math` columns; version 2 did not
+record whether an engine configuration is deterministic.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ from tf_ucudnn.profiling.records import (
 
 # Stored in the SQLite header (PRAGMA application_id / user_version) to recognize our files.
 APPLICATION_ID = 0x7563444E  # "ucDN"
-# Version 2 keeps the algorithm as its plan text, so that engine configurations fit beside legacy
-# algorithms; version 1 had `algo` and `math` columns instead.
-SCHEMA_VERSION = 2
+# Version 3 records whether an engine configuration is deterministic (`deterministic`: 1, 0, or
+# NULL where not recorded); version 2 keeps the algorithm as its plan text, so that engine
+# configurations fit beside legacy algorithms; version 1 had `algo` and `math` columns instead.
+SCHEMA_VERSION = 3
+_NO_DETERMINISM_VERSION = 2
 _LEGACY_ALGO_MATH_VERSION = 1
 
 _KEY_COLUMNS = ("device", "cudnn_version", "dtype", "layout", "geometry", "kernel", "batch_size",
                 "algorithm")
-_COLUMNS = _KEY_COLUMNS + ("time_ms", "workspace_bytes")
+_MEASURED_COLUMNS = ("time_ms", "workspace_bytes")
+_COLUMNS = _KEY_COLUMNS + _MEASURED_COLUMNS + ("deterministic",)
 
 
 def _schema(table: str) -> str:
@@ -58,14 +62,16 @@ CREATE TABLE {table} (
     algorithm TEXT NOT NULL,
     time_ms REAL NOT NULL,
     workspace_bytes INTEGER NOT NULL,
+    deterministic INTEGER,
     PRIMARY KEY ({", ".join(_KEY_COLUMNS)})
 ) WITHOUT ROWID
 """
 
 
-# Version 1 rows as version 2 rows: the algorithm text as Algorithm.to_attr writes it.
+# Version 1 rows as current rows: the algorithm text as Algorithm.to_attr writes it, determinism
+# not recorded (they are legacy algorithms).
 _MIGRATE_FROM_LEGACY_ALGO_MATH = f"""
-INSERT INTO measurements_migrated ({", ".join(_COLUMNS)})
+INSERT INTO measurements_migrated ({", ".join(_KEY_COLUMNS + _MEASURED_COLUMNS)})
 SELECT device, cudnn_version, dtype, layout, geometry, kernel, batch_size,
        'algo=' || algo || ',math=' || math, time_ms, workspace_bytes
 FROM measurements
@@ -127,16 +133,17 @@ class ProfileDatabase:
         """One kernel's timing table: micro-batch size -> algorithms measured, fastest first."""
         with self._errors("cannot read measurements"):
             rows = self._connection.execute(
-                "SELECT batch_size, algorithm, time_ms, workspace_bytes FROM measurements "
+                "SELECT batch_size, algorithm, time_ms, workspace_bytes, deterministic "
+                "FROM measurements "
                 "WHERE device = ? AND cudnn_version = ? AND dtype = ? AND layout = ? "
                 "AND geometry = ? AND kernel = ? ORDER BY batch_size",
                 (device, cudnn_version, geometry.dtype, geometry.layout, geometry.shape_key(),
                  kernel)).fetchall()
         by_size: dict[int, list[AlgorithmTiming]] = {}
-        for batch_size, algorithm, time_ms, workspace_bytes in rows:
+        for batch_size, algorithm, time_ms, workspace_bytes, deterministic in rows:
             by_size.setdefault(batch_size, []).append(
                 AlgorithmTiming.from_algorithm(Algorithm.parse(algorithm), time_ms,
-                                               workspace_bytes))
+                                               workspace_bytes, _determinism(deterministic)))
         return {size: fastest_first(timings) for size, timings in by_size.items()}
 
     def records(self, device: Optional[str] = None,
@@ -146,16 +153,16 @@ class ProfileDatabase:
         with self._errors("cannot read measurements"):
             rows = self._connection.execute(
                 f"SELECT {', '.join(_COLUMNS)} FROM measurements {where}", values).fetchall()
-        measured = [(row[:-3], Algorithm.parse(row[-3]), row[-2:]) for row in rows]
+        measured = [(row[:-4], Algorithm.parse(row[-4]), row[-3:]) for row in rows]
         # Algorithms in their own order, not their texts' ("engine=10" before "engine=9").
         measured.sort(key=lambda item: (item[0], item[1].order_key))
         for (device, cudnn_version, dtype, layout, geometry, kernel, batch_size), algorithm, (
-                time_ms, workspace_bytes) in measured:
+                time_ms, workspace_bytes, deterministic) in measured:
             yield ProfileRecord(device, cudnn_version,
                                 ConvGeometry.from_shape_key(geometry, dtype, layout), kernel,
                                 batch_size, algorithm.algo, algorithm.math, time_ms,
                                 workspace_bytes, engine=algorithm.engine, knobs=algorithm.knobs,
-                                form=algorithm.form)
+                                form=algorithm.form, deterministic=_determinism(deterministic))
 
     def machines(self) -> list[tuple[str, int]]:
         """The (device, cuDNN version) pairs measured, sorted."""
@@ -190,6 +197,9 @@ class ProfileDatabase:
                     self._connection.execute("DROP TABLE measurements")
                     self._connection.execute(
                         "ALTER TABLE measurements_migrated RENAME TO measurements")
+                elif version == _NO_DETERMINISM_VERSION:
+                    self._connection.execute(
+                        "ALTER TABLE measurements ADD COLUMN deterministic INTEGER")
                 self._connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         self._use_wal()
 
@@ -223,7 +233,7 @@ class ProfileDatabase:
             raise ProfileDatabaseError(
                 self.path, f"a SQLite database of something else (application id "
                            f"{application_id:#x}, not tf_ucudnn's {APPLICATION_ID:#x})")
-        if version not in (_LEGACY_ALGO_MATH_VERSION, SCHEMA_VERSION):
+        if version not in (_LEGACY_ALGO_MATH_VERSION, _NO_DETERMINISM_VERSION, SCHEMA_VERSION):
             raise ProfileDatabaseError(
                 self.path, f"schema version {version}, but this tf_ucudnn reads versions "
                            f"{_LEGACY_ALGO_MATH_VERSION} to {SCHEMA_VERSION}")
@@ -267,4 +277,9 @@ def _machine_filter(device: Optional[str], cudnn_version: Optional[int]) -> tupl
 def _row(record: ProfileRecord) -> tuple:
     g = record.geometry
     return (record.device, record.cudnn_version, g.dtype, g.layout, g.shape_key(), record.kernel,
-            record.batch_size, record.algorithm.to_attr(), record.time_ms, record.workspace_bytes)
+            record.batch_size, record.algorithm.to_attr(), record.time_ms, record.workspace_bytes,
+            None if record.deterministic is None else int(record.deterministic))
+
+
+def _determinism(stored: Optional[int]) -> Optional[bool]:
+    return None if stored is None else bool(stored)

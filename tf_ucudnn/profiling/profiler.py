@@ -113,13 +113,14 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
             x, w, dy, kernel=kernel, batch_sizes=list(sizes), workspace_limit=workspace_limit,
             candidates=candidates, form=form, **_op_attrs(geometry))
     records = []
-    for (size, time_ms, workspace, _), text in zip(rows.numpy(), texts.numpy()):
+    for (size, time_ms, workspace, deterministic), text in zip(rows.numpy(), texts.numpy()):
         algorithm = Algorithm.parse(text.decode())
         records.append(ProfileRecord(
             device=machine.device, cudnn_version=machine.cudnn_version, geometry=geometry,
             kernel=kernel, batch_size=int(size), algo=algorithm.algo, math=algorithm.math,
             time_ms=float(time_ms), workspace_bytes=int(workspace), layer=layer,
-            engine=algorithm.engine, knobs=algorithm.knobs, form=algorithm.form))
+            engine=algorithm.engine, knobs=algorithm.knobs, form=algorithm.form,
+            deterministic=bool(deterministic) if algorithm.is_engine else None))
     return records
 
 

@@ -13,7 +13,10 @@ A line measures either a legacy algorithm (`algo` and `math`) or a cuDNN graph-A
 configuration (`engine`, and `knobs` as an object of knob name to value where any are set; see
 `tf_ucudnn.core.plan.Algorithm`). Lines without `engine`, as all written before engines were,
 are legacy algorithms. `"form"` names a run in another form than as the convolution is (see
-`tf_ucudnn.core.plan.FORMS`; absent: direct), whose time and workspace include its copies.
+`tf_ucudnn.core.plan.FORMS`; absent: direct), whose time and workspace include its copies. An
+engine line may say `"deterministic"` (whether cuDNN notes the configuration deterministic;
+absent: not recorded, as in lines written before it was); a legacy algorithm's determinism is
+known by its number (`tf_ucudnn.conv_planning.is_deterministic`).
 
 A file that cannot be read or written raises `ProfileFileError`, naming the file (and the line)
 and the reason. `packaged_profiles()` lists the measured profiles shipped with the package.
@@ -82,16 +85,18 @@ class AlgorithmTiming:
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
     form: str = DIRECT
+    # An engine configuration's determinism as cuDNN notes it; None where not recorded.
+    deterministic: Optional[bool] = None
 
     def __post_init__(self):
         # Algorithm checks the fields fit together and keeps knobs in their canonical order.
         object.__setattr__(self, "knobs", self.algorithm.knobs)
 
     @classmethod
-    def from_algorithm(cls, algorithm: Algorithm, time_ms: float,
-                       workspace_bytes: int) -> "AlgorithmTiming":
+    def from_algorithm(cls, algorithm: Algorithm, time_ms: float, workspace_bytes: int,
+                       deterministic: Optional[bool] = None) -> "AlgorithmTiming":
         return cls(algorithm.algo, algorithm.math, time_ms, workspace_bytes, algorithm.engine,
-                   algorithm.knobs, algorithm.form)
+                   algorithm.knobs, algorithm.form, deterministic)
 
     @property
     def algorithm(self) -> Algorithm:
@@ -120,6 +125,9 @@ class ProfileRecord:
     engine: Optional[int] = None
     knobs: tuple[tuple[str, int], ...] = ()
     form: str = DIRECT  # as in `Algorithm`
+    # Whether cuDNN notes an engine configuration deterministic; None where not recorded, and
+    # always for a legacy algorithm (its number says).
+    deterministic: Optional[bool] = None
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -135,6 +143,10 @@ class ProfileRecord:
                              f"[0, {ALGORITHM_COUNTS[self.kernel]}), got {self.algo!r}")
         elif self.math not in MATH_TYPES:
             raise ValueError(f"math must be one of {MATH_TYPES}, got {self.math!r}")
+        if self.deterministic is not None and (self.engine is None
+                                               or not isinstance(self.deterministic, bool)):
+            raise ValueError(f"deterministic is true or false for an engine configuration, and "
+                             f"not given for a legacy algorithm, got {self.deterministic!r}")
         # Algorithm checks the engine and knobs and keeps the knobs in their canonical order.
         object.__setattr__(self, "knobs", self.algorithm.knobs)
         if not _math.isfinite(self.time_ms) or self.time_ms < 0:
@@ -153,7 +165,8 @@ class ProfileRecord:
 
     @property
     def timing(self) -> AlgorithmTiming:
-        return AlgorithmTiming.from_algorithm(self.algorithm, self.time_ms, self.workspace_bytes)
+        return AlgorithmTiming.from_algorithm(self.algorithm, self.time_ms, self.workspace_bytes,
+                                              self.deterministic)
 
     def to_json(self) -> dict:
         g = self.geometry
@@ -174,6 +187,8 @@ class ProfileRecord:
             data["engine"] = self.engine
             if self.knobs:
                 data["knobs"] = dict(self.knobs)
+            if self.deterministic is not None:
+                data["deterministic"] = self.deterministic
         if self.form != DIRECT:
             data["form"] = self.form
         data.update({"time_ms": self.time_ms, "workspace_bytes": self.workspace_bytes})
@@ -206,7 +221,8 @@ class ProfileRecord:
                 raise ValueError(f"knobs must be an object of knob name to value, got {knobs!r}")
             # An engine line with algo or math too is refused by the constructor.
             algorithm = dict(algo=data.get("algo"), math=data.get("math"), engine=data["engine"],
-                             knobs=tuple(knobs.items()))
+                             knobs=tuple(knobs.items()),
+                             deterministic=data.get("deterministic"))
         else:
             math = data["math"]
             if _is_int(math):
