@@ -255,6 +255,18 @@ def test_engine_determinism_is_stored_and_read_back(tmp_path):
         assert by_engine == {12: True, 9: False, 3: None, None: None}
 
 
+def _write_database(path, schema, version, rows):
+    """A tf_ucudnn database of an earlier schema version, as that version wrote it."""
+    connection = sqlite3.connect(path)
+    connection.execute(schema)
+    connection.executemany(
+        f"INSERT INTO measurements VALUES ({', '.join('?' * len(rows[0]))})", rows)
+    connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    connection.execute(f"PRAGMA user_version = {version}")
+    connection.commit()
+    connection.close()
+
+
 # Schema version 2, as tf_ucudnn wrote it before engine determinism was recorded.
 _VERSION_2_SCHEMA = """
 CREATE TABLE measurements (
@@ -270,17 +282,10 @@ CREATE TABLE measurements (
 def test_version_2_database_is_migrated_in_place(tmp_path):
     path = tmp_path / "v2.db"
     old = [record(algo=1, time_ms=0.5), engine_record(time_ms=0.25)]
-    connection = sqlite3.connect(path)
-    connection.execute(_VERSION_2_SCHEMA)
-    connection.executemany(
-        "INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [(r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout,
-          r.geometry.shape_key(), r.kernel, r.batch_size, r.algorithm.to_attr(), r.time_ms,
-          r.workspace_bytes) for r in old])
-    connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    connection.execute("PRAGMA user_version = 2")
-    connection.commit()
-    connection.close()
+    _write_database(path, _VERSION_2_SCHEMA, 2, [
+        (r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout, r.geometry.shape_key(),
+         r.kernel, r.batch_size, r.algorithm.to_attr(), r.time_ms, r.workspace_bytes)
+        for r in old])
 
     with ProfileDatabase(path) as db:
         # Engine rows measured before: determinism not recorded.
@@ -311,17 +316,9 @@ def test_version_1_database_is_migrated_in_place(tmp_path):
     path = tmp_path / "old.db"
     old = [record(algo=1, math="tensor_op", time_ms=0.5), record(algo=2, time_ms=0.25),
            record(batch_size=8, algo=0, kernel="bwd_filter", workspace_bytes=0)]
-    connection = sqlite3.connect(path)
-    connection.execute(_VERSION_1_SCHEMA)
-    connection.executemany(
-        "INSERT INTO measurements VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [(r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout,
-          r.geometry.shape_key(), r.kernel, r.batch_size, r.algo, r.math, r.time_ms,
-          r.workspace_bytes) for r in old])
-    connection.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    connection.execute("PRAGMA user_version = 1")
-    connection.commit()
-    connection.close()
+    _write_database(path, _VERSION_1_SCHEMA, 1, [
+        (r.device, r.cudnn_version, r.geometry.dtype, r.geometry.layout, r.geometry.shape_key(),
+         r.kernel, r.batch_size, r.algo, r.math, r.time_ms, r.workspace_bytes) for r in old])
 
     with ProfileDatabase(path) as db:
         assert sorted(db.records(), key=repr) == sorted(old, key=repr)
