@@ -31,13 +31,7 @@ import tensorflow as tf
 import tf_ucudnn
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
-from tf_ucudnn.graph.conv_layers import (
-    CONV_OP_TYPES,
-    DEPTHWISE,
-    find_conv_layers,
-    trace_model,
-    unique_geometries,
-)
+from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
 from tf_ucudnn.keras import models
 from tf_ucudnn.kernels.library import engines_available
 from tf_ucudnn.profiling import ProfileDatabase, step_trace
@@ -165,9 +159,8 @@ class Timing:
 def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                     call_overhead_ms, engines, data_format):
     model = models.load_model(name, data_format)
-    graph = trace_model(model, batch)
-    layers, skipped = find_conv_layers(graph)
-    untrained_inputs = layers_without_input_gradient(graph)
+    layers, skipped = find_conv_layers(trace_model(model, batch))
+    untrained_inputs = {layer.name for layer in layers if not layer.input_gradient}
     geometries = unique_geometries(layers)
     depthwise = {layer.name for layer in layers if layer.op_type == DEPTHWISE}
     profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database,
@@ -221,30 +214,10 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
             "training_totals": network_totals(rows, limits_mib, training=True)}
 
 
-def layers_without_input_gradient(graph: tf.Graph) -> set[str]:
-    """The convolutions whose input no variable feeds (the model's images, padded or scaled):
-    training never computes their input gradient."""
-    untrained = set()
-    for op in graph.get_operations():
-        if op.type not in CONV_OP_TYPES:
-            continue
-        pending, seen = [op.inputs[0].op], set()
-        while pending:
-            upstream = pending.pop()
-            if upstream.name in seen:
-                continue
-            seen.add(upstream.name)
-            if upstream.type in ("ReadVariableOp", "VarHandleOp", "VariableV2"):
-                break
-            pending.extend(tensor.op for tensor in upstream.inputs)
-        else:
-            untrained.add(op.name)
-    return untrained
-
-
 def network_totals(rows, limits_mib, training=False):
     """Whole-network sums, each geometry counted once per layer using it; with `training`, only
-    the kernels a training step runs (no input gradient of a layer fed by the images)."""
+    the kernels a training step runs (no input gradient where `ConvLayer.input_gradient` is
+    false)."""
     count = (lambda r: r["training_layers"]) if training else (lambda r: len(r["layers"]))
     result = {key: sum(count(r) * r[key] for r in rows)
               for key in ("tensorflow_ms", "tensorflow_gpu_ms") if key in rows[0]}

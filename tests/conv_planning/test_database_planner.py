@@ -6,9 +6,17 @@ import pytest
 import tensorflow as tf
 
 from tf_ucudnn import rewrite
-from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner, kernels_run
 from tf_ucudnn.core.conv_layer import ConvLayer
-from tf_ucudnn.core.plan import DIRECT, KERNELS, SUBSAMPLED, LayerPlan
+from tf_ucudnn.core.plan import (
+    BACKPROP_FILTER,
+    BACKPROP_INPUT,
+    DIRECT,
+    FORWARD,
+    KERNELS,
+    SUBSAMPLED,
+    LayerPlan,
+)
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase, ProfileRecord
@@ -130,12 +138,15 @@ def test_compared_with_xla_a_layer_is_planned_only_where_its_plan_is_predicted_f
     workspace, which XLA's autotuner may pick: XLA keeps them all, each with both predictions."""
     planner = DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True)
     alone = DatabasePlanner(database, 64 * MIB, machine=H100)
+    # conv1 reads the images: training runs its forward and filter-gradient kernels only.
+    assert [kernels_run(layer) for layer in alexnet_layers] == [
+        (FORWARD, BACKPROP_FILTER)] + [KERNELS] * 4
     for layer in alexnet_layers:
         prediction = planner.predict(layer, alone(layer))
         # The XLA prediction is the best undivided algorithm with any workspace, kernel by kernel.
         expected = sum(min(t.time_ms for t in database.timings(
             H100.device, H100.cudnn_version, layer.cudnn_geometry(), kernel)[layer.batch_size])
-            for kernel in KERNELS)
+            for kernel in kernels_run(layer))
         assert prediction.xla_ms == pytest.approx(expected)
         assert prediction.plan_ms > prediction.xla_ms
         assert planner(layer) == (
@@ -205,3 +216,30 @@ def test_a_subsampled_plan_is_no_undivided_plan_and_xla_is_predicted_direct(tmp_
                    for kernel in KERNELS)
         prediction = DatabasePlanner(database, 64 * MIB, machine=H100).predict(layer, plan)
         assert (prediction.xla_ms, prediction.plan_ms) == (6.0, 3.0)
+
+
+def test_a_layer_the_images_feed_is_judged_by_the_kernels_training_runs(tmp_path):
+    """Its input gradient never runs: a plan that gains there only is no gain, against TensorFlow
+    or XLA."""
+    layer = ConvLayer("first", "Conv2D", (8, 256, 56, 56), (1, 1, 256, 512),
+                      strides=(1, 1, 2, 2), dilations=(1, 1, 1, 1), padding="VALID",
+                      explicit_paddings=(), data_format="NCHW", dtype="float32")
+    # Subsampled, the input gradient runs four times as fast; the other kernels do not gain.
+    times = {FORWARD: (1.0, 1.5), BACKPROP_INPUT: (2.0, 0.5), BACKPROP_FILTER: (1.0, 1.5)}
+    records = [ProfileRecord(H100.device, H100.cudnn_version, layer.cudnn_geometry(), kernel, 8,
+                             1, "default", time_ms, 0, form=form)
+               for kernel in KERNELS
+               for time_ms, form in zip(times[kernel], (DIRECT, SUBSAMPLED))]
+    first = dataclasses.replace(layer, input_gradient=False)
+    with ProfileDatabase(tmp_path / "profiles.sqlite") as database:
+        database.insert(records)
+        xla = DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True)
+        plan = xla(layer)
+        assert isinstance(plan, LayerPlan) and plan.backprop_input.form == SUBSAMPLED
+        assert (xla.predict(layer, plan).xla_ms, xla.predict(layer, plan).plan_ms) == (4.0, 2.5)
+        assert (xla.predict(first, plan).xla_ms, xla.predict(first, plan).plan_ms) == (2.0, 2.0)
+        assert xla(first).startswith("XLA's own convolution is predicted as fast or faster")
+        tensorflow = DatabasePlanner(database, 64 * MIB, machine=H100,
+                                     leave_undivided_to_tensorflow=True)
+        assert isinstance(tensorflow(layer), LayerPlan)
+        assert tensorflow(first).startswith("no gain: every kernel runs best undivided")

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution, conv_groups
 from tf_ucudnn.graph.conv_layers import (
+    fed_by_variables,
     find_conv_layers,
     trace_model,
     unique_geometries,
@@ -151,3 +152,22 @@ def test_shared_geometry_is_counted_once():
     geometries = unique_geometries(layers)
     assert len(layers) == 2 and len(geometries) == 1
     assert sorted(next(iter(geometries.values()))) == sorted(layer.name for layer in layers)
+
+
+def test_a_layer_the_images_feed_computes_no_input_gradient():
+    """No variable upstream of the first convolution's input (padding and scaling have none):
+    training never runs its input gradient. Every later convolution reads some weights."""
+    layers, _ = find_conv_layers(trace_model(models.load_model("resnet50"), 2))
+    assert [layer.name for layer in layers if not layer.input_gradient] == [
+        layers[0].name]
+    assert "conv1" in layers[0].name
+    scale = tf.Variable(2.0)
+
+    def step(x, w):
+        return (tf.nn.conv2d(x, w, 1, "SAME"), tf.nn.conv2d(x * scale, w, 1, "SAME"),
+                tf.nn.conv2d(tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]]) + 1.0, w, 1, "VALID"))
+
+    traced, _ = find_conv_layers(_graph_of(step, tf.TensorSpec([2, 5, 5, 3]),
+                                           tf.TensorSpec([3, 3, 3, 4])))
+    assert [layer.input_gradient for layer in traced] == [False, True, False]
+    assert fed_by_variables(tf.constant(1.0))  # an eager tensor: no graph says otherwise

@@ -86,6 +86,9 @@ def test_fit_with_the_callback_trains_to_the_same_weights(build):
     assert [item.layer.name for item in callback.report.layers] == [layer.path for layer in convs]
     # Planned for the real batch (16), not the last partial one (40 = 16 + 16 + 8).
     assert {layer.batch_size for layer in planner.layers} == {16}
+    # Only the first layer reads the images, whose gradient training does not compute.
+    assert {layer.name: layer.input_gradient for layer in planner.layers} == {
+        layer.path: layer is not convs[0] for layer in convs}
     np.testing.assert_allclose(planned_history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -31,7 +31,7 @@ from tf_ucudnn.conv_planning.kernel_dp import (
 from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
-from tf_ucudnn.core.plan import DIRECT, KERNELS, Algorithm, LayerPlan
+from tf_ucudnn.core.plan import BACKPROP_INPUT, DIRECT, KERNELS, Algorithm, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
 from tf_ucudnn.options import default_database
@@ -207,9 +207,8 @@ class DatabasePlanner:
         else:
             plan = self._plan_alone(layer)
         if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
-                len(kernel_plan.micro_batches) == 1 and kernel_plan.form == DIRECT
-                for kernel_plan in
-                (plan.forward, plan.backprop_input, plan.backprop_filter)):
+                len(plan.kernel(kernel).micro_batches) == 1
+                and plan.kernel(kernel).form == DIRECT for kernel in kernels_run(layer)):
             return "no gain: every kernel runs best undivided, as TensorFlow's own op does"
         if isinstance(plan, LayerPlan) and self.compare_with_xla:
             prediction = self.predict(layer, plan)
@@ -237,12 +236,13 @@ class DatabasePlanner:
 
     def predict(self, layer: ConvLayer, plan: Union[LayerPlan, str, None] = None
                 ) -> LayerPrediction:
-        """The layer's predicted time as XLA's convolution and, if given, as `plan`."""
+        """The layer's predicted time as XLA's convolution and, if given, as `plan`: the
+        kernels training runs (`kernels_run`)."""
         tables = self._timings(layer)
         if isinstance(tables, str):
             return LayerPrediction(None, None)
         xla_ms = 0.0
-        for kernel in KERNELS:
+        for kernel in kernels_run(layer):
             try:
                 xla_ms += fastest_configuration(
                     kernel, tables[kernel], layer.batch_size, None,
@@ -253,7 +253,7 @@ class DatabasePlanner:
         plan_ms = None
         if isinstance(plan, LayerPlan):
             times = [_planned_ms(plan.kernel(kernel), tables[kernel], self.call_overhead_ms)
-                     for kernel in KERNELS]
+                     for kernel in kernels_run(layer)]
             plan_ms = None if None in times else sum(times)
         return LayerPrediction(xla_ms, plan_ms)
 
@@ -271,6 +271,12 @@ class DatabasePlanner:
             except NoFeasiblePlanError as error:
                 return f"no plan within the workspace limit: {error}"
         return LayerPlan(*plans)
+
+
+def kernels_run(layer: ConvLayer) -> tuple[str, ...]:
+    """The layer's kernels a training step runs: all three, but no input gradient where no
+    variable feeds the input (`ConvLayer.input_gradient`)."""
+    return tuple(k for k in KERNELS if layer.input_gradient or k != BACKPROP_INPUT)
 
 
 def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float]:

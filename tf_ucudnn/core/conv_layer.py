@@ -41,6 +41,9 @@ class ConvLayer:
     data_format: str
     dtype: str
     groups: int = 1
+    # Whether training computes the gradient of the layer's input: not where no variable feeds
+    # the input (the model's images, padded or scaled), so its input-gradient kernel never runs.
+    input_gradient: bool = True
 
     def __post_init__(self):
         channels = self.input_shape[-1 if self.channels_last else 1]

@@ -22,6 +22,25 @@ from tf_ucudnn.core.geometry import ConvGeometry
 # TensorFlow's forward convolution ops this package can replace, by number of spatial dims.
 CONV_OP_TYPES = {"Conv2D": 2, "Conv3D": 3, "DepthwiseConv2dNative": 2}
 DEPTHWISE = "DepthwiseConv2dNative"
+# Ops that read a variable: where none is upstream of a tensor, nothing trains through it.
+VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "VarHandleOp", "VariableV2"})
+
+
+def fed_by_variables(tensor) -> bool:
+    """Whether a variable feeds `tensor` in its graph, through any ops; True for an eager tensor
+    (no graph says otherwise)."""
+    if not tf.is_symbolic_tensor(tensor):
+        return True
+    pending, seen = [tensor.op], set()
+    while pending:
+        op = pending.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in VARIABLE_READS:
+            return True
+        pending.extend(t.op for t in op.inputs)
+    return False
 
 
 def grouped_filter_shape(depthwise_filter_shape) -> list[int]:
@@ -56,7 +75,8 @@ def conv_layer_of(op: tf.Operation) -> ConvLayer:
         padding=op.get_attr("padding").decode(),
         explicit_paddings=tuple(op.get_attr("explicit_paddings")) if "explicit_paddings" in attr
         else (),
-        data_format=data_format, dtype=op.get_attr("T").name, groups=groups)
+        data_format=data_format, dtype=op.get_attr("T").name, groups=groups,
+        input_gradient=fed_by_variables(op.inputs[0]))
 
 
 def find_conv_layers(graph: tf.Graph) -> tuple[list[ConvLayer], list[tuple[str, str]]]:

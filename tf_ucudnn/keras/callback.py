@@ -34,6 +34,7 @@ import tensorflow as tf
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
 from tf_ucudnn.core.plan import LayerPlan, LayerPlanner, plan_or_reason
 from tf_ucudnn.core.units import MIB
+from tf_ucudnn.graph.conv_layers import fed_by_variables
 from tf_ucudnn.keras.accumulated_step import (
     AccumulationPlan,
     accumulated_train_step,
@@ -92,6 +93,9 @@ class _PatchedLayer:
     layer: keras.layers.Layer
     observed_shape: tf.Variable  # the input shape of the layer's last call, written by the step
     traced_shape: Optional[tuple] = None  # the input's static shape where a trace knew it
+    # False where the traced step's input to the layer has no variable upstream (its input
+    # gradient never runs); True until a trace says so.
+    input_gradient: bool = True
     conv_layer: Optional[ConvLayer] = None
     plan: Optional[LayerPlan] = None
     # Under a memory budget: each kernel's Pareto front of plans, and the names of the forward
@@ -326,7 +330,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                         patched.layer.path, "", "not called by the first training step"))
                     continue
                 patched.conv_layer = keras_conv_layer(
-                    patched.layer, shape, patched.layer.compute_dtype)
+                    patched.layer, shape, patched.layer.compute_dtype, patched.input_gradient)
                 plan = plan_or_reason(planner, patched.conv_layer)
                 if isinstance(plan, str):
                     report.left_alone.append(LeftAlone(patched.layer.path, "", plan))
@@ -509,6 +513,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         def convolution_op(inputs, kernel):
             if inputs.shape.is_fully_defined():
                 patched.traced_shape = tuple(inputs.shape)
+            patched.input_gradient = fed_by_variables(inputs)
             record = patched.observed_shape.assign(tf.shape(inputs, out_type=tf.int64))
             with tf.control_dependencies([record]):
                 return own_op(inputs, kernel)

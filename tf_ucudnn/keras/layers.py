@@ -42,9 +42,9 @@ def check_keras_convolution(layer) -> None:
             "transposed, separable or custom variants)")
 
 
-def keras_conv_layer(layer, input_shape, dtype) -> ConvLayer:
+def keras_conv_layer(layer, input_shape, dtype, input_gradient: bool = True) -> ConvLayer:
     """The ConvLayer of a Keras Conv2D/Conv3D/DepthwiseConv2D layer applied to an input of
-    `input_shape`."""
+    `input_shape` (whose gradient training computes, unless `input_gradient` is False)."""
     check_keras_convolution(layer)
     rank = layer.rank
     channels_last = layer.data_format == "channels_last"
@@ -64,7 +64,8 @@ def keras_conv_layer(layer, input_shape, dtype) -> ConvLayer:
         input_shape=tuple(int(d) for d in input_shape), filter_shape=tuple(filter_shape),
         strides=full(layer.strides), dilations=full(layer.dilation_rate),
         padding=layer.padding.upper(), explicit_paddings=(), data_format=data_format,
-        dtype=tf.as_dtype(dtype).name, groups=input_channels // filter_shape[-2])
+        dtype=tf.as_dtype(dtype).name, groups=input_channels // filter_shape[-2],
+        input_gradient=input_gradient)
 
 
 def conv_filter(layer, kernel):
