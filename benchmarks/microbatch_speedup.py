@@ -29,6 +29,7 @@ from typing import Optional
 import tensorflow as tf
 
 import tf_ucudnn
+from tf_ucudnn.conv_planning.database_planner import kernels_run
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
 from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
@@ -160,7 +161,7 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                     call_overhead_ms, engines, data_format):
     model = models.load_model(name, data_format)
     layers, skipped = find_conv_layers(trace_model(model, batch))
-    untrained_inputs = {layer.name for layer in layers if not layer.input_gradient}
+    by_name = {layer.name: layer for layer in layers}
     geometries = unique_geometries(layers)
     depthwise = {layer.name for layer in layers if layer.op_type == DEPTHWISE}
     profile([(g, f"{name}.{names[0]}") for g, names in geometries.items()], batch, database,
@@ -179,8 +180,7 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
                 reference = timing.measure(
                     _tensorflow_runner(g, kernel, tensorflow_op == DEPTHWISE), operands)
                 row = {"geometry": str(g), "layers": names, "kernel": kernel,
-                       "training_layers": sum(kernel != BACKPROP_INPUT
-                                              or layer not in untrained_inputs
+                       "training_layers": sum(kernel in kernels_run(by_name[layer])
                                               for layer in names),
                        "tensorflow_op": tensorflow_op,
                        **{f"tensorflow_{key}": value for key, value in reference.items()},
@@ -216,8 +216,7 @@ def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
 
 def network_totals(rows, limits_mib, training=False):
     """Whole-network sums, each geometry counted once per layer using it; with `training`, only
-    the kernels a training step runs (no input gradient where `ConvLayer.input_gradient` is
-    false)."""
+    the kernels a training step runs (`kernels_run`)."""
     count = (lambda r: r["training_layers"]) if training else (lambda r: len(r["layers"]))
     result = {key: sum(count(r) * r[key] for r in rows)
               for key in ("tensorflow_ms", "tensorflow_gpu_ms") if key in rows[0]}

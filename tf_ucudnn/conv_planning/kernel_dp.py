@@ -144,7 +144,7 @@ def _candidate_tables(kernel: str, timings: KernelTimings, batch_size: int,
     measured = {t.algorithm.form for ts in timings.values() for t in ts}
     forms = [form] if form is not None else [f for f in FORMS if f in measured] or [DIRECT]
     return [_CandidateTable(kernel, timings, batch_size, deterministic_only, micro_batch_sizes,
-                            call_overhead_ms, form) for form in forms]
+                            call_overhead_ms, each) for each in forms]
 
 
 class _CandidateTable:

@@ -1,8 +1,9 @@
 """Measures cuDNN on the GPU: every algorithm of every kernel of each layer at candidate
 micro-batch sizes, through the UcudnnProfileConvolution op on real buffers: the legacy algorithms
 (cudnnFind*AlgorithmEx, with the math TensorFlow uses for the dtype) and, where asked, the
-graph-API engine configurations cuDNN's heuristics offer (each run between CUDA events). A strided
-convolution's candidates are measured in the other forms it can take too (`forms_to_measure`).
+graph-API engine configurations cuDNN's heuristics offer and their knob variants (each run between
+CUDA events, each recorded with whether cuDNN notes it deterministic). A strided convolution's
+candidates are measured in the other forms it can take too (`forms_to_measure`).
 Results go to a ProfileDatabase, so each geometry is measured once per machine and cuDNN version.
 """
 
