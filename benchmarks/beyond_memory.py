@@ -360,13 +360,15 @@ def _trial_child(args) -> dict:
 def _tune_child(args) -> dict:
     """`tune_keras_batch_size` for a model compiled as `_keras_callback_child` compiles it, in
     this process (a child), capped as the trials are: its trials and best batch. Where the
-    callback would train the whole step in micro-batches, each micro-batch size's step time is
-    Keras's own compiled step measured at that size (`measured_step_ms`), not the op-time model's
-    prediction for TensorFlow's graph, which XLA's step is not."""
+    callback would train the whole step in micro-batches, each trial's step is measured as the
+    callback runs it: Keras's compiled step over the trial's micro-batches, their gradients
+    summed, one update (`measured_step_ms`, by batch and micro-batch). The op-time model
+    describes TensorFlow's graph, which XLA's step is not, and Keras's whole step at the
+    micro-batch, counted once per micro-batch, overstates the accumulated step."""
     import keras
 
     from tf_ucudnn.keras import tune_keras_batch_size
-    from tf_ucudnn.keras.accumulated_step import accumulation_refusal
+    from tf_ucudnn.keras.accumulated_step import accumulating, accumulation_refusal
     from tf_ucudnn.memory import DeviceModel
 
     name, budget, *batches = args.tune_child
@@ -375,17 +377,22 @@ def _tune_child(args) -> dict:
     model = _compiled_model(name, name == "smoke")
     measured = {}
 
-    def keras_step_ms(size: int) -> float:
-        if size not in measured:
-            measured[size] = _fit_two_epochs(model, _one_batch_repeated(model, size),
-                                             args.steps, []) * 1e3
-        return measured[size]
+    def step_ms(batch: int, micro_batch_size: int) -> float:
+        key = f"{batch}/{micro_batch_size}"
+        if key not in measured:
+            with accumulating(model, micro_batch_size):  # its own step where the batch fits
+                model.train_function = None  # made again by fit, to see the step
+                seconds = _fit_two_epochs(model, _one_batch_repeated(model, batch), args.steps,
+                                          [])
+            model.train_function = None
+            measured[key] = seconds * 1e3
+        return measured[key]
     accumulated = accumulation_refusal(model, args.batch_norm_statistics) is None
     start = time.perf_counter()
     report = tune_keras_batch_size(
         model, [int(b) for b in batches], int(budget),
         DeviceModel("given", args.link_gb_s[0] * 1e9, args.link_gb_s[1] * 1e9),
-        step_ms=keras_step_ms if accumulated else None,
+        step_ms=step_ms if accumulated else None,
         batch_norm_statistics=args.batch_norm_statistics)
     return {**report.to_json(), "tuning_s": time.perf_counter() - start, **setting,
             "measured_step_ms": measured,

@@ -11,10 +11,10 @@ is left to the allocator's fragmentation and what XLA holds beside its buffers).
 `keras_fit` and `keras_callback` per model, as beyond_memory.py writes them, and the callback's run
 says which way it planned the step (the whole step in micro-batches, or swaps and recomputations)
 and its predicted and measured peaks; a step in micro-batches also its step time (`step_ms`),
-measured and predicted: at Keras fit's measured time per image, or, where the tuner planned the
-batch in the same micro-batches, as the tuner predicts it (Keras's step measured at the
-micro-batch, once per micro-batch). With `--tune FACTOR ...`, `tune_keras_batch_size` first picks
-the best of those multiples of Keras's batch under the same budget (`keras_tuned`), and the
+measured and predicted at Keras fit's measured time per image. With `--tune FACTOR ...`,
+`tune_keras_batch_size` first picks the best of those multiples of Keras's batch under the same
+budget (`keras_tuned`), each trial's step measured in its micro-batches in the tuner's process
+(`tuner_measured` beside the callback's step where the micro-batches are the same), and the
 callback also trains the batch it picks (`keras_callback_tuned`), unless it is the one above.
 """
 
@@ -43,18 +43,17 @@ def train_with_callback(name: str, batch: int, budget: int, fit: dict, tuned: di
         callback["vs_keras_fit"] = callback["img_per_s"] / fit["img_per_s"]
         if "accumulation" in callback:
             # The step runs Keras's own compiled step once per micro-batch: predicted at Keras
-            # fit's measured time per image, or as the tuner predicted it where it planned the
-            # same micro-batches, beside the step measured.
+            # fit's measured time per image, beside the step measured, and the tuner's
+            # measurement of it where the tuner planned the same micro-batches.
             predicted, measured = (batch / rate * 1e3 for rate in (fit["img_per_s"],
                                                                     callback["img_per_s"]))
-            source = "Keras fit's time per image"
+            callback["step_ms"] = {"predicted": predicted, "measured": measured,
+                                   "measured_over_predicted": measured / predicted,
+                                   "predicted_from": "Keras fit's time per image"}
             trial = next((t for t in tuned.get("trials", ()) if t["batch_size"] == batch), {})
             if trial.get("step_ms") and trial.get("accumulated_micro_batch") == \
                     callback["accumulation"]["micro_batch_size"]:
-                predicted, source = trial["step_ms"], "tuner: Keras's step at the micro-batch"
-            callback["step_ms"] = {"predicted": predicted, "measured": measured,
-                                   "measured_over_predicted": measured / predicted,
-                                   "predicted_from": source}
+                callback["step_ms"]["tuner_measured"] = trial["step_ms"]
     print(name, "callback", batch, json.dumps(callback)[:400], flush=True)
     return callback
 

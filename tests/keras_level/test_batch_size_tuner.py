@@ -84,9 +84,9 @@ def test_a_compiled_keras_model_tunes_its_whole_step_in_micro_batches_as_the_cal
     budget = plan_step_memory(whole_16, 1 << 40, SLOW_LINK).decisions.prediction.peak_bytes
     measured_ms = {}
 
-    def step_ms(size):  # a made-up measurement: a fixed cost per step and one per sample
-        measured_ms[size] = 2.0 + 0.25 * size
-        return measured_ms[size]
+    def step_ms(batch, size):  # a made-up measurement: one update per step, a cost per sample
+        measured_ms[batch, size] = 2.0 + (batch // size) * (1.0 + 0.25 * size)
+        return measured_ms[batch, size]
     report = tune_keras_batch_size(model, (8, 16, 64), budget, SLOW_LINK, step_ms=step_ms)
     by_batch = {t.batch_size: t for t in report.trials}
     assert report.accumulation_refused is None
@@ -94,12 +94,35 @@ def test_a_compiled_keras_model_tunes_its_whole_step_in_micro_batches_as_the_cal
     big = by_batch[64]
     assert big.accumulated_micro_batch < 64 and big.micro_batches > 1
     assert big.accumulated_micro_batch * big.micro_batches == 64
-    # Each micro-batch's measured time, once per micro-batch.
-    assert big.step_ms == measured_ms[big.accumulated_micro_batch] * big.micro_batches
+    # Each batch's step measured as the callback trains it: in its micro-batches, one update.
+    assert set(measured_ms) == {(t.batch_size, t.accumulated_micro_batch) for t in report.trials}
+    assert big.step_ms == measured_ms[64, big.accumulated_micro_batch]
     assert big.images_per_second == 64 / big.step_ms * 1e3
     assert all(t.peak_bytes <= budget for t in report.trials)
-    # The fixed cost per step is paid once per micro-batch: the largest micro-batch wins.
-    assert report.best.accumulated_micro_batch == max(t.accumulated_micro_batch
-                                                      for t in report.trials)
+    # The update is paid once per batch: the batch in micro-batches outruns the whole ones.
+    assert report.best is big
     assert isinstance(report.plan, AccumulationPlan)
     assert "micro-batches of" in report.to_text() and report.to_json()["plan"]["batch"] > 0
+
+
+def test_a_measured_step_that_runs_out_of_memory_is_a_trial_that_does_not_fit():
+    from training_steps import SLOW_LINK, pooled_conv_model
+
+    from tf_ucudnn.keras.batch_size_tuner import tune_keras_batch_size
+
+    model = pooled_conv_model()
+    model.compile(tf.keras.optimizers.SGD(0.01),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def step_ms(batch, size):
+        if batch == 64:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor\nmore")
+        return 1.0 + batch
+
+    report = tune_keras_batch_size(model, (8, 64), 1 << 40, SLOW_LINK, step_ms=step_ms)
+    small, big = report.trials
+    assert small.images_per_second == 8 / 9.0 * 1e3
+    assert big.images_per_second is None and big.step_ms is None
+    assert big.reason.startswith("its step, measured in micro-batches of 64, ran out of memory")
+    assert "OOM when allocating tensor" in big.reason and "more" not in big.reason
+    assert report.best is small and "does not fit: its step" in report.to_text()

@@ -34,15 +34,16 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     tuned = entry["keras_tuned"]
     [trial] = tuned["trials"]
     assert trial["batch_size"] == 8 and trial["accumulated_micro_batch"] == 8
-    # A trial's step is Keras's own step measured at its micro-batch, once per micro-batch.
-    measured = {int(size): ms for size, ms in tuned["measured_step_ms"].items()}
-    assert trial["step_ms"] == trial["micro_batches"] * measured[8]
+    # A trial's step is measured as the callback runs it, by batch and micro-batch.
+    assert set(tuned["measured_step_ms"]) == {"8/8"}
+    assert trial["step_ms"] == tuned["measured_step_ms"]["8/8"]
     assert tuned["best_batch"] == 8
-    # The callback trains the tuner's pick too, its step predicted as the tuner predicted it.
+    # The callback trains the tuner's pick too, the tuner's measurement beside its step.
     picked = entry["keras_callback_tuned"]
     assert picked["batch"] == 8 and picked["img_per_s"] > 0
-    assert picked["step_ms"]["predicted"] == trial["step_ms"]
-    assert picked["step_ms"]["predicted_from"] == "tuner: Keras's step at the micro-batch"
+    assert picked["step_ms"]["predicted"] == 8 / entry["keras_fit"]["img_per_s"] * 1e3
+    assert picked["step_ms"]["tuner_measured"] == trial["step_ms"]
+    assert "tuner_measured" not in step  # the 4x batch was not a trial
 
 
 def test_repeats_zero_tunes_without_training_the_4x_batch(tmp_path):

@@ -5,7 +5,8 @@ Each candidate batch size's training step is traced and planned; a batch whose s
 budget is reported with the shortfall, not dropped silently. For a compiled Keras model that
 `MicroBatchCallback` would train in micro-batches with the gradients summed
 (`tf_ucudnn.keras.accumulated_step`), each batch is planned that way, as the callback will train
-it: the micro-batch the liveness analysis fits, its step's time once per micro-batch.
+it: the micro-batch the liveness analysis fits, its step's predicted time once per micro-batch,
+or the step measured in those micro-batches.
 """
 
 from __future__ import annotations
@@ -92,17 +93,22 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
 
 def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
                           budget_bytes: int, model: DeviceModel,
-                          step_ms: Optional[Callable[[int], float]] = None,
+                          step_ms: Optional[Callable[[int, int], float]] = None,
                           fuse_batch_norm: Union[bool, str] = False,
                           micro_batches: Iterable[int] = (4, 8),
                           accumulate_gradients: bool = True,
                           batch_norm_statistics: str = "batch") -> TuningReport:
     """`tune_batch_size` for a Keras model, each batch planned as `MicroBatchCallback` would
     train it under the budget: where the compiled model allows it (`accumulate_gradients`,
-    `batch_norm_statistics` as the callback takes them), the whole step in micro-batches, the
-    micro-batch's predicted step time (or `step_ms(size)`, measured without a plan) once per
-    micro-batch; otherwise by `plan_keras_step` (its first layers in micro-batches where nothing
-    else fits, as each trial records; `step_ms(batch)` calibrates the op times)."""
+    `batch_norm_statistics` as the callback takes them), the whole step in micro-batches, timed
+    as the micro-batch's predicted step once per micro-batch; otherwise by `plan_keras_step`
+    (its first layers in micro-batches where nothing else fits, as each trial records).
+
+    `step_ms(batch, micro_batch_size)`, where given, measures instead: the step of `batch`
+    samples as the callback trains it, in micro-batches of `micro_batch_size` where that is
+    smaller (their gradients summed, one update). Without micro-batches of the whole step it
+    calibrates the op times (`step_ms(batch, batch)`). A measurement that fails (out of
+    memory) makes its trial one that does not fit, with the error as the reason."""
     refused = (accumulation_refusal(keras_model, batch_norm_statistics)
                if accumulate_gradients else "accumulate_gradients=False")
     if refused is None:
@@ -111,7 +117,7 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
 
     def plan(batch):
         _, chosen = plan_keras_step(keras_model, batch, budget_bytes, model,
-                                    step_ms(batch) if step_ms else None, fuse_batch_norm,
+                                    step_ms(batch, batch) if step_ms else None, fuse_batch_norm,
                                     micro_batches)
         return chosen.plan, {"micro_batched_until": chosen.micro_batched_until,
                              "micro_batches": chosen.micro_batches}
@@ -135,7 +141,7 @@ def _memory_planned(plan_for):
 
 
 def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceModel,
-                 step_ms: Optional[Callable[[int], float]], batch_norm_statistics: str):
+                 step_ms: Optional[Callable[[int, int], float]], batch_norm_statistics: str):
     """The trial of each batch with the whole step in micro-batches, as the callback plans it,
     and its plan if it fits."""
     shape = keras_model.input_shape[1:]
@@ -155,11 +161,18 @@ def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceMo
             return BatchTrial(batch, None, None, error.predicted_peak_bytes or 0,
                               str(error)), None
         size = plan.micro_batch_size
-        micro_ms = (step_ms(size) if step_ms else plan_step_memory(
-            trace(size), 1 << 62, model).decisions.prediction.step_ms)
-        total_ms = micro_ms * plan.micro_batches
         peak = (plan.predicted_peak_bytes if plan.compiled_peak_bytes is None
                 else plan.compiled_peak_bytes)
+        if step_ms is None:
+            total_ms = plan.micro_batches * plan_step_memory(
+                trace(size), 1 << 62, model).decisions.prediction.step_ms
+        else:
+            try:
+                total_ms = step_ms(batch, size)
+            except tf.errors.ResourceExhaustedError as error:
+                return BatchTrial(batch, None, None, peak,
+                                  f"its step, measured in micro-batches of {size}, ran out of "
+                                  f"memory: {error.message.splitlines()[0][:300]}"), None
         return BatchTrial(batch, batch / total_ms * 1e3, total_ms, peak,
                           micro_batches=plan.micro_batches, accumulated_micro_batch=size), plan
     return trial_for
