@@ -316,9 +316,12 @@ def accumulated_train_step(model: tf.keras.Model, micro_batch_size: int):
 @contextlib.contextmanager
 def accumulating(model: tf.keras.Model, micro_batch_size: int):
     """Within the block, the model trains (`model.train_step`) in micro-batches of at most
-    `micro_batch_size`; Keras's train function must be made again to see it."""
+    `micro_batch_size`. Keras's train function made before is dropped on entry and on exit, so
+    that `fit` makes it again with the step in force."""
     model.__dict__["train_step"] = accumulated_train_step(model, micro_batch_size)
+    model.train_function = None
     try:
         yield
     finally:
         model.__dict__.pop("train_step", None)
+        model.train_function = None
