@@ -361,27 +361,19 @@ def _tune_child(args) -> dict:
     """`tune_keras_batch_size` for a model compiled as `_keras_callback_child` compiles it, in
     this process (a child), capped as the trials are: its trials and best batch. Where the
     callback would train the whole step in micro-batches, each trial's step is measured as the
-    callback runs it: Keras's compiled step over the trial's micro-batches, their gradients
-    summed, one update (`measured_step_ms`, by batch and micro-batch). The op-time model
-    describes TensorFlow's graph, which XLA's step is not, and Keras's whole step at the
-    micro-batch, counted once per micro-batch, overstates the accumulated step."""
+    callback runs it (`MeasuredStep`; `measured_step_ms` by batch and micro-batch): the op-time
+    model describes TensorFlow's graph, which XLA's step is not."""
     import keras
 
-    from tf_ucudnn.keras import tune_keras_batch_size
-    from tf_ucudnn.keras.accumulated_step import accumulating, accumulation_refusal
+    from tf_ucudnn.keras import MeasuredStep, tune_keras_batch_size
+    from tf_ucudnn.keras.accumulated_step import accumulation_refusal
     from tf_ucudnn.memory import DeviceModel
 
     name, budget, *batches = args.tune_child
     setting = _child_setup(args)
     keras.utils.set_random_seed(0)
     model = _compiled_model(name, name == "smoke")
-    measured = {}
-
-    def step_ms(batch: int, micro_batch_size: int) -> float:  # the tuner asks once per batch
-        with accumulating(model, micro_batch_size):  # its own step where the batch fits
-            seconds = _fit_two_epochs(model, _one_batch_repeated(model, batch), args.steps, [])
-        measured[f"{batch}/{micro_batch_size}"] = seconds * 1e3
-        return seconds * 1e3
+    step_ms = MeasuredStep(model, next(iter(_one_batch_repeated(model, 1))), args.steps)
     accumulated = accumulation_refusal(model, args.batch_norm_statistics) is None
     start = time.perf_counter()
     report = tune_keras_batch_size(
@@ -390,7 +382,7 @@ def _tune_child(args) -> dict:
         step_ms=step_ms if accumulated else None,
         batch_norm_statistics=args.batch_norm_statistics)
     return {**report.to_json(), "tuning_s": time.perf_counter() - start, **setting,
-            "measured_step_ms": measured,
+            "measured_step_ms": step_ms.measurements,
             "best_batch": report.best.batch_size if report.best else None}
 
 
