@@ -14,8 +14,9 @@ and its predicted and measured peaks; a step in micro-batches also its step time
 measured and predicted at Keras fit's measured time per image. With `--tune FACTOR ...`,
 `tune_keras_batch_size` first picks the best of those multiples of Keras's batch under the same
 budget (`keras_tuned`), each trial's step measured in its micro-batches in the tuner's process
-(`tuner_measured` beside the callback's step where the micro-batches are the same), and the
-callback also trains the batch it picks (`keras_callback_tuned`), unless it is the one above.
+(`tuner_measured` beside the callback's step where the micro-batches are the same, with
+`measured_over_tuner_measured`), and the callback also trains the batch it picks
+(`keras_callback_tuned`), unless it is the one above.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def train_with_callback(name: str, batch: int, budget: int, fit: dict, tuned: di
             trial = next((t for t in tuned.get("trials", ()) if t["batch_size"] == batch), {})
             if trial.get("step_ms") and trial.get("accumulated_micro_batch") == \
                     callback["accumulation"]["micro_batch_size"]:
-                callback["step_ms"]["tuner_measured"] = trial["step_ms"]
+                callback["step_ms"] |= {"tuner_measured": trial["step_ms"],
+                                        "measured_over_tuner_measured":
+                                            measured / trial["step_ms"]}
     print(name, "callback", batch, json.dumps(callback)[:400], flush=True)
     return callback
 

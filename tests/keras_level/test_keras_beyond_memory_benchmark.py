@@ -43,6 +43,8 @@ def test_the_table_keeps_keras_fit_the_callback_and_the_tuners_pick(tmp_path):
     assert picked["batch"] == 8 and picked["img_per_s"] > 0
     assert picked["step_ms"]["predicted"] == 8 / entry["keras_fit"]["img_per_s"] * 1e3
     assert picked["step_ms"]["tuner_measured"] == trial["step_ms"]
+    assert picked["step_ms"]["measured_over_tuner_measured"] == \
+        picked["step_ms"]["measured"] / trial["step_ms"]
     assert "tuner_measured" not in step  # the 4x batch was not a trial
 
 
