@@ -56,7 +56,7 @@ def test_the_step_runs_in_its_micro_batches_and_leaves_the_model_as_it_was():
 
 def test_a_micro_batch_no_smaller_than_the_batch_runs_the_whole_step():
     model = _model(tf.keras.optimizers.SGD(0.1))
-    measure = MeasuredStep(model, _sample(5), steps=1)
+    measure = MeasuredStep(model, (*_sample(5), None), steps=1)  # (x, y, no sample weights)
     measure(6, 6)
     measure(2, 8)
     assert 6 in model.layers[0].seen and 2 in model.layers[0].seen

@@ -79,6 +79,9 @@ class MeasuredStep:
 
     @staticmethod
     def _rows(t, batch: int):
-        """`t` with its rows repeated to `batch` rows."""
+        """`t` with its rows repeated to `batch` rows (None, as for a model without labels, as
+        it is)."""
+        if t is None:
+            return None
         t = tf.convert_to_tensor(t)
         return tf.gather(t, tf.range(batch) % tf.shape(t)[0])
