@@ -48,6 +48,7 @@ from typing import Optional
 import tensorflow as tf
 from step_planning_args import add_step_planning_arguments
 
+from tf_ucudnn.keras.step_timing import fit_two_epochs
 from tf_ucudnn.profiling.allocator_log import out_of_memory_report
 
 
@@ -184,28 +185,6 @@ def in_child(arguments: list, memory_limit_gib: float,
     return {}, f"exit status {child.returncode}: " + " | ".join(tail)[-400:], child.stderr
 
 
-class EpochTimer(tf.keras.callbacks.Callback):
-    """Appends each epoch's seconds to `epochs`."""
-
-    def __init__(self, epochs: list):
-        super().__init__()
-        self.epochs = epochs
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epochs.append(time.perf_counter() - self.start)
-
-
-def _fit_two_epochs(model, data, steps: int, epochs: list, callbacks=()) -> float:
-    """`model.fit` for two epochs of `steps` steps, each epoch's seconds appended to `epochs`:
-    the first traces and compiles, the second is timed. Its seconds per step."""
-    model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False,
-              callbacks=[*callbacks, EpochTimer(epochs)])
-    return epochs[-1] / steps
-
-
 def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     """One batch size of `keras_fit`, in this process (its child)."""
     model = _compiled_model(name, smoke)
@@ -214,7 +193,7 @@ def _keras_fit_child(name: str, batch: int, steps: int, smoke: bool) -> dict:
     epochs = []
 
     def timed():  # as the callback's run is timed
-        return batch / _fit_two_epochs(model, data, steps, epochs)
+        return batch / fit_two_epochs(model, data, steps, epochs)
     rate, error = _try(timed)
     peak = (tf.config.experimental.get_memory_info("GPU:0")["peak"]
             if tf.config.list_logical_devices("GPU") else None)
@@ -412,7 +391,7 @@ def _keras_callback_child(args) -> dict:
     epochs = []
 
     def timed():
-        return batch / _fit_two_epochs(model, data, args.steps, epochs, [callback])
+        return batch / fit_two_epochs(model, data, args.steps, epochs, [callback])
     rate, error = _try(timed)
     entry = {"batch": batch, "budget_bytes": int(budget), **setting, "epoch_seconds": epochs,
              "img_per_s": rate, "error": error}

@@ -6,5 +6,5 @@ from tf_ucudnn.keras.microbatched_prefix import cut, run_in_micro_batches
 from tf_ucudnn.keras.planned_step import KerasStepPlan, keras_training_step, plan_keras_step
 from tf_ucudnn.keras.step_timing import MeasuredStep
 
-__all__ = ["KerasStepPlan", "MeasuredStep", "TuningReport", "cut", "keras_training_step", "plan_keras_step",
-           "run_in_micro_batches", "tune_batch_size", "tune_keras_batch_size"]
+__all__ = ["KerasStepPlan", "MeasuredStep", "TuningReport", "cut", "keras_training_step",
+           "plan_keras_step", "run_in_micro_batches", "tune_batch_size", "tune_keras_batch_size"]

@@ -106,10 +106,10 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
 
     `step_ms(batch, micro_batch_size)`, where given, measures instead: the step of `batch`
     samples as the callback trains it, in micro-batches of `micro_batch_size` where that is
-    smaller (their gradients summed, one update), as `MeasuredStep` does. The op-time model
-    describes TensorFlow's graph; a step XLA compiles wants measuring. Without micro-batches of the whole step it
-    calibrates the op times (`step_ms(batch, batch)`). A measurement that fails (out of
-    memory) makes its trial one that does not fit, with the error as the reason."""
+    smaller (their gradients summed, one update), as `MeasuredStep` does; the op-time model
+    describes TensorFlow's graph, and a step XLA compiles wants measuring. Without micro-batches
+    of the whole step it calibrates the op times (`step_ms(batch, batch)`). A measurement that
+    fails (out of memory) makes its trial one that does not fit, with the error as the reason."""
     refused = (accumulation_refusal(keras_model, batch_norm_statistics)
                if accumulate_gradients else "accumulate_gradients=False")
     if refused is None:

@@ -16,25 +16,35 @@ import tensorflow as tf
 from tf_ucudnn.keras.accumulated_step import accumulating
 
 
-class _SecondEpochTimer(tf.keras.callbacks.Callback):
-    """The second epoch's seconds: the first traces and compiles the step."""
+class _EpochTimer(tf.keras.callbacks.Callback):
+    """Appends each epoch's seconds to `seconds`."""
 
-    def __init__(self):
+    def __init__(self, seconds: list):
         super().__init__()
-        self.seconds = None
+        self.seconds = seconds
 
     def on_epoch_begin(self, epoch, logs=None):
         self.start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            self.seconds = time.perf_counter() - self.start
+        self.seconds.append(time.perf_counter() - self.start)
+
+
+def fit_two_epochs(model: tf.keras.Model, data, steps: int, epoch_seconds: list,
+                   callbacks=()) -> float:
+    """`model.fit` for two epochs of `steps` steps, each epoch's seconds appended to
+    `epoch_seconds` as it ends (those that ended are there if `fit` fails): the first traces and
+    compiles, the second is timed. Its seconds per step."""
+    model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False,
+              callbacks=[*callbacks, _EpochTimer(epoch_seconds)])
+    return epoch_seconds[-1] / steps
 
 
 class MeasuredStep:
     """`step_ms(batch, micro_batch_size)` for `tune_keras_batch_size`: the milliseconds of one
     step of `batch` samples in micro-batches of `micro_batch_size` (the whole batch where that is
-    not smaller), measured through `model.fit` over `steps` steps after as many to compile.
+    not smaller), measured through `model.fit` over `steps` steps after as many to compile
+    (`fit_two_epochs`).
 
     `sample` is data as `model.fit` takes it, an `(x, y)` pair of one batch of any size; each
     batch measured repeats its rows up to the batch size. `measurements` keeps each step measured
@@ -55,16 +65,13 @@ class MeasuredStep:
         data = tf.data.Dataset.from_tensors(tf.nest.map_structure(
             lambda t: self._rows(t, batch), self.sample)).repeat()
         saved = self._variables()
-        timer = _SecondEpochTimer()
         try:
             with accumulating(self.model, min(micro_batch_size, batch)):
-                self.model.fit(data, epochs=2, steps_per_epoch=self.steps, verbose=0,
-                               shuffle=False, callbacks=[timer])
+                milliseconds = fit_two_epochs(self.model, data, self.steps, []) * 1e3
         finally:
             for variable, value in saved:
                 variable.assign(value)
             self.model.reset_metrics()
-        milliseconds = timer.seconds / self.steps * 1e3
         self.measurements[f"{batch}/{micro_batch_size}"] = milliseconds
         return milliseconds
 
