@@ -5,11 +5,14 @@ XLA custom call on the GPU), side by side, with the profile database's predictio
 A step is the layer's forward pass and both gradients. The prediction for XLA's convolution is the
 best undivided algorithm at the full batch with any workspace; the plan's is its micro-batches'
 measured times. The layer check the callback makes rests on that prediction; this benchmark says
-how well it holds.
+how well it holds. With `--predict-only` nothing is timed (no GPU needed): each layer's two
+predictions and the network's totals (`predicted_totals`), from the profiles alone.
 
     python benchmarks/xla_conv_layers.py --models resnet50 vgg16 --batch 128 \\
         --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \\
         --out xla_conv_layers.json
+    python benchmarks/xla_conv_layers.py --predict-only --models resnet50 --batch 128 \
+        --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-*-engines.jsonl.gz --out FILE
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import tensorflow as tf
@@ -63,6 +67,21 @@ def _milliseconds(step, args, iterations: int) -> tuple[float, float]:
     return first, sorted(times)[len(times) // 2]
 
 
+def predicted_totals(rows: list, margin: float) -> dict:
+    """Over the layers both predictions cover, each counted as often as the network has it: XLA's
+    convolution, the plans, and how many layers' plans gain at least `margin` (the callback's
+    check); the layers not covered are named."""
+    covered = [row for row in rows if row["predicted_xla_ms"] is not None
+               and row["predicted_plan_ms"] is not None]
+    return {"layers": sum(row["count"] for row in covered),
+            "xla_ms": sum(row["count"] * row["predicted_xla_ms"] for row in covered),
+            "plan_ms": sum(row["count"] * row["predicted_plan_ms"] for row in covered),
+            "layers_gaining_the_margin": sum(
+                row["count"] for row in covered
+                if row["predicted_plan_ms"] <= (1 - margin) * row["predicted_xla_ms"]),
+            "not_predicted": [row["layer"] for row in rows if row not in covered]}
+
+
 def run(args) -> dict:
     gpus = tf.config.list_physical_devices("GPU")
     device = (tf.config.experimental.get_device_details(gpus[0]).get("device_name")
@@ -70,8 +89,10 @@ def run(args) -> dict:
     results = {"benchmark": "xla_conv_layers", "device": device, "tensorflow": tf.__version__,
                "batch": args.batch, "workspace_limit": args.workspace_limit,
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
-               "iterations": args.iterations, "models": {}}
+               "iterations": args.iterations, "command": " ".join(sys.argv), "models": {}}
     with DatabasePlanner.open(args.workspace_limit, args.database, args.profiles) as planner:
+        results["profiles_of"] = {"device": planner.machine.device,
+                                  "cudnn_version": planner.machine.cudnn_version}
         for name in args.models:
             layers, _ = find_conv_layers(trace_model(models.load_model(name), args.batch))
             rows, seen = [], set()
@@ -88,6 +109,10 @@ def run(args) -> dict:
                 prediction = planner.predict(layer, plan)
                 row["predicted_xla_ms"] = prediction.xla_ms
                 row["predicted_plan_ms"] = prediction.plan_ms
+                row["plan"] = plan if isinstance(plan, str) else plan.to_json()
+                if args.predict_only:
+                    rows.append(row)
+                    continue
                 x = tf.random.normal(layer.input_shape)
                 w = tf.random.normal(layer.filter_shape)
                 channels = [layer.filter_shape[-1]]
@@ -96,16 +121,15 @@ def run(args) -> dict:
                                       [layer.batch_size, *channels, *layer.output_spatial()])
                 row["xla_first_ms"], row["xla_ms"] = _milliseconds(
                     _step(layer, None), (x, w, dy), args.iterations)
-                if isinstance(plan, str):
-                    row["plan"] = plan
-                else:
-                    row["plan"] = plan.to_json()
+                if not isinstance(plan, str):
                     row["plan_first_ms"], row["plan_ms"] = _milliseconds(
                         _step(layer, plan), (x, w, dy), args.iterations)
                 rows.append(row)
                 print(name, row["layer"], {k: round(v, 3) for k, v in row.items()
                                            if k.endswith("_ms") and v is not None}, flush=True)
             results["models"][name] = rows
+            results.setdefault("predicted_totals", {})[name] = predicted_totals(
+                rows, planner.xla_margin)
             with open(args.out, "w") as out:
                 json.dump(results, out, indent=1)
     return results
@@ -119,6 +143,8 @@ def main():
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--database", help="the profile database (default: tf_ucudnn's)")
     parser.add_argument("--profiles", nargs="*", default=[])
+    parser.add_argument("--predict-only", action="store_true",
+                        help="the profiles' predictions only, nothing timed")
     parser.add_argument("--out", required=True)
     run(parser.parse_args())
 
