@@ -125,7 +125,8 @@ class Timing:
     gpu_trace_dir: Optional[str] = None
 
     def measure(self, run, operands) -> dict:
-        """{"ms": mean wall time per call} and, with a trace directory, "gpu_ms"."""
+        """{"ms": mean wall time per call} and, with a trace directory, "gpu_ms" and
+        "gpu_kernels"."""
         @tf.function
         def calls_in_a_graph(operands):
             # One element of each result, summed: the function waits for every call.
@@ -140,10 +141,12 @@ class Timing:
             samples.append((time.perf_counter() - start) * 1e3 / len(operands))
         result = {"ms": statistics.median(samples)}
         if self.gpu_trace_dir:
-            result["gpu_ms"] = self._gpu_ms(calls_in_a_graph, operands)
+            result["gpu_ms"], result["gpu_kernels"] = self._gpu_time(calls_in_a_graph, operands)
         return result
 
-    def _gpu_ms(self, calls_in_a_graph, operands) -> float:
+    def _gpu_time(self, calls_in_a_graph, operands) -> tuple[float, dict]:
+        """The GPU's time per call, and the kernels that took it (the five longest by name,
+        ms per call): which cuDNN kernel TensorFlow's own op ran, beside the plan's."""
         shutil.rmtree(self.gpu_trace_dir, ignore_errors=True)
         tf.profiler.experimental.start(self.gpu_trace_dir,
                                        options=tf.profiler.experimental.ProfilerOptions(
@@ -153,8 +156,13 @@ class Timing:
         finally:
             tf.profiler.experimental.stop()
         events = step_trace.gpu_events(step_trace.read_profile(self.gpu_trace_dir))
-        return sum(event.end_ms - event.start_ms for event in events
-                   if event.op_type not in HARNESS_OP_TYPES) / len(operands)
+        by_name: dict[str, float] = {}
+        for event in events:
+            if event.op_type not in HARNESS_OP_TYPES:
+                by_name[event.name] = (by_name.get(event.name, 0.0)
+                                       + (event.end_ms - event.start_ms) / len(operands))
+        longest = sorted(by_name.items(), key=lambda item: -item[1])[:5]
+        return sum(by_name.values()), {name[:160]: ms for name, ms in longest}
 
 
 def benchmark_model(name, batch, limits_mib, database, machine, timing, calls,
