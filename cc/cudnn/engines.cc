@@ -289,7 +289,8 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   std::shared_ptr<fe::graph::Graph> graph;
   TF_RETURN_IF_ERROR(BuildGraph(handle, problem, &graph));
   TF_UCUDNN_RETURN_IF_FE_ERROR(
-      graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+      graph->create_execution_plans(
+          {fe::HeurMode_t::A, fe::HeurMode_t::B, fe::HeurMode_t::FALLBACK}),
       "cuDNN heuristics");
   AddKnobVariants(*graph);
   graph->deselect_workspace_greater_than(workspace_limit);
@@ -302,7 +303,7 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
   }
   // Some configurations fail their support check; those are left out, not an error.
   (void)graph->check_support(handle);
-  // Mode A and the fallback list may offer the same configuration, and a knob cuDNN ignores
+  // The modes may offer the same configuration, and a knob cuDNN ignores
   // leaves a variant the same as another.
   std::set<std::string> seen;
   std::vector<int64_t> listed;  // each listed configuration's plan index

@@ -53,7 +53,8 @@ struct EngineTiming {
 // Whether this build can use engines (the frontend's headers were found).
 bool EnginesAvailable();
 
-// The engine configurations of heuristics modes A and FALLBACK, and those one workspace-trading
+// The engine configurations of heuristics modes A, B and FALLBACK (a mode cuDNN cannot answer for
+// the problem adds none; the frontend queries each apart), and those one workspace-trading
 // knob (WORKSPACE, split-K's, REDUCTION_MODE, STREAM_K, SPLIT_P_SLC) away from each engine's
 // first, through the values cuDNN gives the knob's range, deduplicated, that need at most
 // `workspace_limit` bytes (cudnn-frontend's deselect_workspace_greater_than) and cuDNN supports.
