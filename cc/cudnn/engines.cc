@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cc/cudnn/cudnn_support.h"
+#include "cc/cudnn/environment.h"
 #include "cc/cudnn/knob_variants.h"
 #include "tensorflow/core/platform/errors.h"
 
@@ -294,7 +295,9 @@ absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& proble
       "cuDNN heuristics");
   AddKnobVariants(*graph);
   graph->deselect_workspace_greater_than(workspace_limit);
-  graph->deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
+  if (!RuntimeCompiledEngines()) {
+    graph->deselect_behavior_notes({fe::BehaviorNote_t::RUNTIME_COMPILATION});
+  }
   if (problem.deterministic_only) {
     graph->deselect_numeric_notes({fe::NumericalNote_t::NONDETERMINISTIC});
   }

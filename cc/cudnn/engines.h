@@ -58,8 +58,9 @@ bool EnginesAvailable();
 // knob (WORKSPACE, split-K's, REDUCTION_MODE, STREAM_K, SPLIT_P_SLC) away from each engine's
 // first, through the values cuDNN gives the knob's range, deduplicated, that need at most
 // `workspace_limit` bytes (cudnn-frontend's deselect_workspace_greater_than) and cuDNN supports.
-// Configurations that compile their kernels at run time (nvrtc) are left out: building one takes
-// seconds, paid again by every process for every micro-batch size.
+// Configurations that compile their kernels at run time (nvrtc) are left out unless
+// TF_UCUDNN_RUNTIME_COMPILED_ENGINES=1 (environment.h): building one takes seconds, paid again by
+// every process for every micro-batch size.
 absl::Status ListEngineConfigs(cudnnHandle_t handle, const EngineProblem& problem,
                                int64_t workspace_limit, std::vector<EngineConfigInfo>* configs);
 

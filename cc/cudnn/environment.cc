@@ -16,11 +16,22 @@ size_t AutomaticWorkspaceLimit() {
   return limit;
 }
 
+namespace {
+
+bool Enabled(const char* variable) {
+  const char* text = std::getenv(variable);
+  return text != nullptr && std::string(text) == "1";
+}
+
+}  // namespace
+
 bool LogCalls() {
-  static const bool enabled = [] {
-    const char* text = std::getenv("TF_UCUDNN_LOG_CALLS");
-    return text != nullptr && std::string(text) == "1";
-  }();
+  static const bool enabled = Enabled("TF_UCUDNN_LOG_CALLS");
+  return enabled;
+}
+
+bool RuntimeCompiledEngines() {
+  static const bool enabled = Enabled("TF_UCUDNN_RUNTIME_COMPILED_ENGINES");
   return enabled;
 }
 

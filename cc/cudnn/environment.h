@@ -14,6 +14,11 @@ size_t AutomaticWorkspaceLimit();
 // TF_UCUDNN_LOG_CALLS=1 logs every cuDNN call with its micro-batch, to see a plan execute.
 bool LogCalls();
 
+// TF_UCUDNN_RUNTIME_COMPILED_ENGINES=1 lists the engine configurations that compile their kernels
+// at run time (nvrtc) too, for profiling: building one takes seconds, in every process that runs
+// it and for every micro-batch size, so they are left out unless asked for.
+bool RuntimeCompiledEngines();
+
 }  // namespace tf_ucudnn
 
 #endif  // TF_UCUDNN_CC_CUDNN_ENVIRONMENT_H_
