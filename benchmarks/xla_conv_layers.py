@@ -11,7 +11,7 @@ predictions and the network's totals (`predicted_totals`), from the profiles alo
     python benchmarks/xla_conv_layers.py --models resnet50 vgg16 --batch 128 \\
         --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \\
         --out xla_conv_layers.json
-    python benchmarks/xla_conv_layers.py --predict-only --models resnet50 --batch 128 \
+    python benchmarks/xla_conv_layers.py --predict-only --models resnet50 --batch 128 \\
         --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-*-engines.jsonl.gz --out FILE
 """
 
