@@ -258,7 +258,6 @@ StridedCopy CudnnLayout::BlockedCopy(int64_t outer, const std::vector<int64_t>& 
   const CopySide cudnn = BlockedSide(cudnn_strides, block_);
   copy.src = to_cudnn ? other : cudnn;
   copy.dst = to_cudnn ? cudnn : other;
-  copy.blocked = true;
   return copy;
 }
 

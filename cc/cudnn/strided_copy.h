@@ -31,14 +31,11 @@ struct CopySide {
 
 // For every index in `dims`: the destination element gets the source's, or zero where the source
 // element does not exist; where the destination element does not exist nothing is written.
-// `blocked`: some copy dims share an axis or step by more than one, or the destination is bounded
-// (CopySide); the kernel then checks bounds by axis, else by copy dim, which is quicker.
 struct StridedCopy {
   int rank = 0;
   int64_t dims[kMaxCopyRank] = {};
   CopySide src;
   CopySide dst;
-  bool blocked = false;
 };
 
 // element_size is 2, 4 or 8 bytes; returns cudaErrorInvalidValue for anything else.

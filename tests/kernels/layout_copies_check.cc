@@ -2,7 +2,9 @@
 // this): for each case, a naive convolution of cuDNN's view of the tensors (the input, filter and
 // output gradient copied as the layout says, cuDNN's strides and padding) equals the naive
 // convolution of the op's own, for the forward pass and both gradients copied back. The copies
-// run on the host with the semantics the GPU kernel implements (cc/cudnn/strided_copy.h).
+// run on the host as cc/cudnn/strided_copy.h describes them, and through the GPU kernel's own
+// per-element code (cc/cudnn/strided_copy_plan.h: its dim order, divisions and bound checks) with
+// 32- and 64-bit indices, which must write the same.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -10,11 +12,26 @@
 #include <vector>
 
 #include "cc/cudnn/layout.h"
+#include "cc/cudnn/strided_copy_plan.h"
 
 namespace tf_ucudnn {
 namespace {
 
-void HostCopy(const StridedCopy& copy, const float* src, float* dst) {
+// Copies, this case so far, where the kernel's code wrote otherwise than the description says.
+int kernel_mismatches = 0;
+
+template <typename Index>
+std::vector<float> KernelCopy(const StridedCopy& copy, const float* src, std::vector<float> dst) {
+  const DeviceCopy<Index> device = MakeDeviceCopy<Index>(DestinationOrdered(copy));
+  int64_t total = 1;
+  for (int d = 0; d < copy.rank; ++d) total *= copy.dims[d];
+  for (int64_t linear = 0; linear < total; ++linear) {
+    CopyElement<float, Index>(device, static_cast<Index>(linear), src, dst.data());
+  }
+  return dst;
+}
+
+void DescribedCopy(const StridedCopy& copy, const float* src, float* dst) {
   int64_t total = 1;
   for (int d = 0; d < copy.rank; ++d) total *= copy.dims[d];
   for (int64_t linear = 0; linear < total; ++linear) {
@@ -45,6 +62,13 @@ void HostCopy(const StridedCopy& copy, const float* src, float* dst) {
     }
     if (write) dst[dst_offset] = read ? src[src_offset] : 0.f;
   }
+}
+
+void HostCopy(const StridedCopy& copy, const float* src, std::vector<float>& dst) {
+  const std::vector<float> before = dst;
+  DescribedCopy(copy, src, dst.data());
+  kernel_mismatches += KernelCopy<int32_t>(copy, src, before) != dst;
+  kernel_mismatches += KernelCopy<int64_t>(copy, src, before) != dst;
 }
 
 // A tensor [N, C, H, W] stored channels-last or not; a filter [K, C, R, S] in TensorFlow's layout
@@ -113,6 +137,7 @@ double MaxDifference(const std::vector<float>& a, const std::vector<float>& b) {
 bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c, int64_t h,
            int64_t w, int64_t k, int64_t kh, int64_t kw, int64_t stride, int64_t top,
            int64_t bottom, int64_t left, int64_t right) {
+  kernel_mismatches = 0;
   ConvGeometry g;
   g.channels_last = channels_last;
   g.batch = n;
@@ -144,15 +169,15 @@ bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c
   }
   // cuDNN's operands, as the layout copies them (the output only where it is transposed).
   std::vector<float> xc(Xc.Size(), 7.f), wc(Wc.Size(), 7.f), dyc = dy;
-  HostCopy(layout.InputCopy(n, /*to_cudnn=*/true), x.data(), xc.data());
-  HostCopy(layout.FilterToCudnn(), wt.data(), wc.data());
-  if (layout.transposed()) HostCopy(layout.OutputCopy(n, /*to_cudnn=*/true), dy.data(), dyc.data());
+  HostCopy(layout.InputCopy(n, /*to_cudnn=*/true), x.data(), xc);
+  HostCopy(layout.FilterToCudnn(), wt.data(), wc);
+  if (layout.transposed()) HostCopy(layout.OutputCopy(n, /*to_cudnn=*/true), dy.data(), dyc);
 
   std::vector<float> y(Y.Size()), yc(Yc.Size()), y_back = yc;
   Naive(Kernel::kForward, X, x.data(), W, wt.data(), Y, y.data(), window);
   Naive(Kernel::kForward, Xc, xc.data(), Wc, wc.data(), Yc, yc.data(), cudnn);
   if (layout.transposed()) {
-    HostCopy(layout.OutputCopy(n, /*to_cudnn=*/false), yc.data(), y_back.data());
+    HostCopy(layout.OutputCopy(n, /*to_cudnn=*/false), yc.data(), y_back);
   } else {
     y_back = yc;
   }
@@ -160,21 +185,23 @@ bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c
   Naive(Kernel::kBackpropInput, X, dx.data(), W, wt.data(), Y, dy.data(), window);
   Naive(Kernel::kBackpropInput, Xc, dxc.data(), Wc, wc.data(), Yc, dyc.data(), cudnn);
   if (!layout.covers_input()) std::fill(dx_back.begin(), dx_back.end(), 0.f);
-  HostCopy(layout.InputCopy(n, /*to_cudnn=*/false), dxc.data(), dx_back.data());
+  HostCopy(layout.InputCopy(n, /*to_cudnn=*/false), dxc.data(), dx_back);
   std::vector<float> dw(W.Size()), dwc(Wc.Size()), dw_back(W.Size(), 9.f);
   Naive(Kernel::kBackpropFilter, X, x.data(), W, dw.data(), Y, dy.data(), window);
   Naive(Kernel::kBackpropFilter, Xc, xc.data(), Wc, dwc.data(), Yc, dyc.data(), cudnn);
-  HostCopy(layout.FilterFromCudnn(), dwc.data(), dw_back.data());
+  HostCopy(layout.FilterFromCudnn(), dwc.data(), dw_back);
 
   const double forward = MaxDifference(y, y_back), data = MaxDifference(dx, dx_back),
                filter = MaxDifference(dw, dw_back);
-  const bool same = forward < 1e-3 && data < 1e-3 && filter < 1e-3;
+  const bool same = forward < 1e-3 && data < 1e-3 && filter < 1e-3 && kernel_mismatches == 0;
   std::printf("%s %s %s n%lld c%lld %lldx%lld k%lld filter %lldx%lld stride %lld pad %lld,%lld,"
-              "%lld,%lld: forward %.1e, input gradient %.1e, filter gradient %.1e %s\n",
+              "%lld,%lld: forward %.1e, input gradient %.1e, filter gradient %.1e, kernel's copies "
+              "differing %d %s\n",
               Name(form), channels_last ? "NHWC" : "NCHW", float64 ? "float64" : "float32",
               (long long)n, (long long)c, (long long)h, (long long)w, (long long)k, (long long)kh,
               (long long)kw, (long long)stride, (long long)top, (long long)bottom,
-              (long long)left, (long long)right, forward, data, filter, same ? "ok" : "WRONG");
+              (long long)left, (long long)right, forward, data, filter, kernel_mismatches,
+              same ? "ok" : "WRONG");
   return same;
 }
 

@@ -1,9 +1,10 @@
 """The cuDNN kernels' layouts (cc/cudnn/layout.cc) on the CPU: tests/kernels/layout_copies_check.cc,
 built here with g++ against the layout, copies each case's tensors to cuDNN's view as the layout
-says (on the host, as the GPU's copy kernel does) and checks that a naive convolution of that view
-is the naive convolution of the op's tensors, forward and both gradients copied back: inputs in
-space-to-depth blocks, subsampled, padded for asymmetric padding and transposed for float64
-channels-last, in both layouts. Wrong strides, bounds or block order show as WRONG lines."""
+says (on the host, as the copies' description says and through the GPU copy kernel's own
+per-element code, which must agree) and checks that a naive convolution of that view is the naive
+convolution of the op's tensors, forward and both gradients copied back: inputs in space-to-depth
+blocks, subsampled, padded for asymmetric padding and transposed for float64 channels-last, in both
+layouts. Wrong strides, bounds, block order or kernel index arithmetic show as WRONG lines."""
 
 import os
 import shutil
