@@ -22,6 +22,7 @@ import json
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -286,7 +287,7 @@ def main():
                "call_overhead_ms": args.call_overhead_ms,
                "candidates": "legacy algorithms and engine configurations" if engines
                else "legacy algorithms",
-               "models": []}
+               "command": " ".join(sys.argv), "models": []}
     timing = Timing(args.repeats, tempfile.mkdtemp(prefix="microbatch_speedup_trace_")
                     if args.gpu_times else None)
     with ProfileDatabase(args.database) as database:
