@@ -1,6 +1,7 @@
 // A StridedCopy as its kernel runs it: dims ordered by the destination's strides, divisions by the
 // dims as multiplications, and each side's bounds as the coordinates it checks. Host and device
-// code without CUDA's runtime, so that a host program can run the same per-element code.
+// code that calls nothing in CUDA's runtime, so that a host program can run the same per-element
+// code (tests/kernels/layout_copies_check.cc).
 #ifndef TF_UCUDNN_CC_CUDNN_STRIDED_COPY_PLAN_H_
 #define TF_UCUDNN_CC_CUDNN_STRIDED_COPY_PLAN_H_
 
