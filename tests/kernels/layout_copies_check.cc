@@ -205,6 +205,33 @@ bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c
   return same;
 }
 
+// The kernel's division by a dim as multiply and shift against integer division, over the
+// dividends its 32-bit path takes ([0, 2^31)): every divisor below 5000 and some far above, at
+// the edges and at random. Returns the mismatches, each printed.
+int FastDivisorMismatches() {
+  std::mt19937 generator(11);
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d < 5000; ++d) divisors.push_back(d);
+  for (uint32_t d : {51529u, 65535u, 65536u, 65537u, 1u << 20, 123457u, (1u << 31) - 1}) {
+    divisors.push_back(d);
+  }
+  int mismatches = 0;
+  for (uint32_t d : divisors) {
+    const FastDivisor divisor(d);
+    std::vector<uint32_t> dividends = {0, 1, d - 1, d, d + 1, (1u << 31) - 1, (1u << 31) - 2,
+                                       ((1u << 31) - 1) / d * d, ((1u << 31) - 1) / d * d - 1};
+    for (int i = 0; i < 200; ++i) dividends.push_back(generator() & 0x7fffffffu);
+    for (uint32_t n : dividends) {
+      if (n >= (1u << 31) || divisor.Quotient(n) == n / d) continue;
+      if (++mismatches <= 5) {
+        std::printf("fast divisor %u of %u: %u, not %u WRONG\n", d, n, divisor.Quotient(n),
+                    n / d);
+      }
+    }
+  }
+  return mismatches;
+}
+
 }  // namespace
 }  // namespace tf_ucudnn
 
@@ -235,6 +262,7 @@ int main() {
       check(subsampled, 8, 9, 11, 6, 1, 1, 3, 0, 0, 0, 0);
     }
   }
+  wrong += tf_ucudnn::FastDivisorMismatches() > 0;
   std::printf(wrong ? "%d cases WRONG\n" : "all cases right\n", wrong);
   return wrong ? 1 : 0;
 }
