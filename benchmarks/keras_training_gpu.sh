@@ -12,6 +12,8 @@
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
+# PROFILES names the profile records (JSONL, absolute paths) the runs import (default: the NHWC
+# legacy records at batch 128); what they lack, the callback measures on the GPU.
 # The two rows without XLA at 64 MiB also profile one step after the timed epochs, to say what is
 # alive at each one's peak. With TESTS set (test paths, "tests" for all), the GPU tests there run
 # after the table.
@@ -31,6 +33,8 @@ copy_back() {
 }
 
 configurations() {
+  local default=benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz
+  local profiles=${PROFILES:-$default}
   for config in ${*:-tf_default tf_default_noxla tf_64mib_noxla tf_64mib tf_ucudnn_64mib \
                       tf_ucudnn_64mib_noxla}; do
     limit=64 options=()
@@ -46,7 +50,7 @@ configurations() {
     env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
       --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-30}" \
       --epochs 3 --database "$run/profiles.sqlite" \
-      --profiles benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz \
+      --profiles $profiles \
       "${options[@]}" --label "$config" --out "$run/$config.json" \
       2>&1 | grep --line-buffered -v "^W0000\|^I0000" > "$run/$config.log"
   done
