@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "cc/cudnn/strided_copy_plan.h"
+#include "cc/cudnn/strided_copy_kernel.h"
 
 namespace tf_ucudnn {
 namespace {

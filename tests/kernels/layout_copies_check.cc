@@ -3,7 +3,7 @@
 // output gradient copied as the layout says, cuDNN's strides and padding) equals the naive
 // convolution of the op's own, for the forward pass and both gradients copied back. The copies
 // run on the host as cc/cudnn/strided_copy.h describes them, and through the GPU kernel's own
-// per-element code (cc/cudnn/strided_copy_plan.h: its dim order, divisions and bound checks) with
+// per-element code (cc/cudnn/strided_copy_kernel.h: its dim order, divisions and bound checks) with
 // 32- and 64-bit indices, which must write the same.
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "cc/cudnn/layout.h"
-#include "cc/cudnn/strided_copy_plan.h"
+#include "cc/cudnn/strided_copy_kernel.h"
 
 namespace tf_ucudnn {
 namespace {

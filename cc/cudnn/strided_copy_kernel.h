@@ -2,8 +2,8 @@
 // dims as multiplications, and each side's bounds as the coordinates it checks. Host and device
 // code that calls nothing in CUDA's runtime, so that a host program can run the same per-element
 // code (tests/kernels/layout_copies_check.cc).
-#ifndef TF_UCUDNN_CC_CUDNN_STRIDED_COPY_PLAN_H_
-#define TF_UCUDNN_CC_CUDNN_STRIDED_COPY_PLAN_H_
+#ifndef TF_UCUDNN_CC_CUDNN_STRIDED_COPY_KERNEL_H_
+#define TF_UCUDNN_CC_CUDNN_STRIDED_COPY_KERNEL_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -163,4 +163,4 @@ TF_UCUDNN_HOST_DEVICE void CopyElement(const DeviceCopy<Index>& copy, Index line
 
 }  // namespace tf_ucudnn
 
-#endif  // TF_UCUDNN_CC_CUDNN_STRIDED_COPY_PLAN_H_
+#endif  // TF_UCUDNN_CC_CUDNN_STRIDED_COPY_KERNEL_H_
