@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -205,6 +206,58 @@ bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c
   return same;
 }
 
+// Copies no 2-D layout makes, through the kernel's code against the description: every rank up to
+// kMaxCopyRank (3-D convolutions copy rank 5), random dims and storage orders on both sides,
+// sources starting before their tensor and ending past it. Returns the mismatches, each printed.
+int RandomCopyMismatches() {
+  std::mt19937 generator(5);
+  int mismatches = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    StridedCopy copy;
+    copy.rank = 1 + trial % kMaxCopyRank;
+    int64_t src_dims[kMaxCopyRank];
+    for (int d = 0; d < copy.rank; ++d) {
+      copy.dims[d] = 1 + generator() % 4;
+      src_dims[d] = std::max<int64_t>(1, copy.dims[d] - static_cast<int64_t>(generator() % 3));
+    }
+    int64_t elements[2] = {1, 1};
+    for (int side = 0; side < 2; ++side) {
+      CopySide& s = side == 0 ? copy.src : copy.dst;
+      const int64_t* dims = side == 0 ? src_dims : copy.dims;
+      int order[kMaxCopyRank];
+      std::iota(order, order + copy.rank, 0);
+      std::shuffle(order, order + copy.rank, generator);
+      for (int i = copy.rank - 1; i >= 0; --i) {
+        s.strides[order[i]] = elements[side];
+        elements[side] *= dims[order[i]];
+      }
+      for (int d = 0; d < copy.rank; ++d) {
+        s.axes[d] = d;
+        s.steps[d] = 1;
+      }
+    }
+    for (int d = 0; d < copy.rank; ++d) {
+      copy.src.starts[d] = -static_cast<int64_t>(generator() % 2);
+      copy.src.bounds[d] = src_dims[d];
+      copy.src.offset += copy.src.starts[d] * copy.src.strides[d];
+    }
+    std::vector<float> src(elements[0]);
+    std::iota(src.begin(), src.end(), 1.f);
+    std::vector<float> dst(elements[1], -7.f);
+    const std::vector<float> before = dst;
+    DescribedCopy(copy, src.data(), dst.data());
+    for (bool wide : {false, true}) {
+      const auto written = wide ? KernelCopy<int64_t>(copy, src.data(), before)
+                                : KernelCopy<int32_t>(copy, src.data(), before);
+      if (written != dst && ++mismatches <= 5) {
+        std::printf("random copy %d of rank %d, %d-bit indices WRONG\n", trial, copy.rank,
+                    wide ? 64 : 32);
+      }
+    }
+  }
+  return mismatches;
+}
+
 // The kernel's division by a dim as multiply and shift against integer division, over the
 // dividends its 32-bit path takes ([0, 2^31)): every divisor below 5000 and some far above, at
 // the edges and at random. Returns the mismatches, each printed.
@@ -262,6 +315,7 @@ int main() {
       check(subsampled, 8, 9, 11, 6, 1, 1, 3, 0, 0, 0, 0);
     }
   }
+  wrong += tf_ucudnn::RandomCopyMismatches() > 0;
   wrong += tf_ucudnn::FastDivisorMismatches() > 0;
   std::printf(wrong ? "%d cases WRONG\n" : "all cases right\n", wrong);
   return wrong ? 1 : 0;
