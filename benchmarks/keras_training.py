@@ -2,7 +2,10 @@
 synthetic data: images per second of the epochs after the first (which holds tracing, XLA
 compilation, and the callback's profiling and planning), the first epoch's seconds, and the
 device's peak memory over the whole run and over the later epochs alone. With `--trace-peak`, one
-step after the timed epochs runs under TensorFlow's profiler, which says what was alive at its peak.
+step after the timed epochs runs under TensorFlow's profiler, which says what was alive at its peak
+and where the GPU's time went, kernel by kernel (convolutions, GEMMs, tf_ucudnn's copies, the
+rest). `--xla-margin` sets how much faster than XLA's own convolution a layer's plan must be
+predicted (negative lets slower plans in, so the callback's step trial measures them).
 
 TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process, so each configuration is a run
 of this script, and `combine` puts their results side by side, each against the baseline
@@ -25,6 +28,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import time
 from typing import Optional
@@ -33,10 +37,32 @@ import keras
 import tensorflow as tf
 
 import tf_ucudnn
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine
-from tf_ucudnn.profiling.step_trace import alive_at_peak, read_profile
+from tf_ucudnn.profiling.step_trace import alive_at_peak, kernel_ms_by_name, read_profile
+
+# Kernel classes by name, the first match wins: cuDNN's and CUTLASS's convolution kernels say
+# which pass they run (their GEMM is implicit), so they come before the GEMMs.
+KERNEL_CLASSES = (
+    ("convolution", re.compile(r"conv|fprop|dgrad|wgrad|winograd|fft|implicit", re.IGNORECASE)),
+    ("tf_ucudnn copy or sum", re.compile(r"StridedCopy|Accumulate", re.IGNORECASE)),
+    ("gemm", re.compile(r"gemm|nvjet|cublas", re.IGNORECASE)),
+)
+
+
+def kernel_summary(space, top: int = 40) -> dict:
+    """The first GPU's kernel time by class and its `top` kernels by name."""
+    kernels = next(iter(kernel_ms_by_name(space).values()), {})
+    by_class: dict = {}
+    for name, kernel in kernels.items():
+        kind = next((kind for kind, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
+        by_class[kind] = by_class.get(kind, 0.0) + kernel["ms"]
+    return {"total_ms": round(sum(by_class.values()), 3),
+            "ms_by_class": {kind: round(ms, 3) for kind, ms in by_class.items()},
+            "top": [{"name": name, "ms": round(kernel["ms"], 4), "count": kernel["count"]}
+                    for name, kernel in list(kernels.items())[:top]]}
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -89,13 +115,15 @@ class PeakTrace(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._epoch == self.epoch and batch == 0:
+            shutil.rmtree(self.logdir, ignore_errors=True)  # one profile: an earlier run's goes
             tf.profiler.experimental.start(self.logdir)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._epoch != self.epoch or batch != 0:
             return
         tf.profiler.experimental.stop()
-        alive = alive_at_peak(read_profile(self.logdir), device_allocator=True, top=100000)
+        space = read_profile(self.logdir)
+        alive = alive_at_peak(space, device_allocator=True, top=100000)
         by_type = {}
         for buffer in alive["largest_alive"]:
             op_type = re.sub(r"_\d+$", "", buffer["op"].rsplit("/", 1)[-1]) or "(no op)"
@@ -103,7 +131,8 @@ class PeakTrace(keras.callbacks.Callback):
         self.result = {
             "peak_bytes": alive["peak_bytes"], "peak_op": alive["peak_op"],
             "alive_bytes_by_op_type": dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:25]),
-            "largest_alive": alive["largest_alive"][:25]}
+            "largest_alive": alive["largest_alive"][:25],
+            "gpu_kernels": kernel_summary(space)}
 
 
 def _train(name: str, args) -> dict:
@@ -127,18 +156,26 @@ def _train(name: str, args) -> dict:
         # An epoch beyond the timed ones, so the profiler slows no timed step.
         trace = PeakTrace(args.epochs, os.path.join(args.trace_dir, f"{args.label}_{name}"))
         callbacks.append(trace)
-    planner = None
+    planner = layer_planner = None
     if args.callback:
         with ProfileDatabase(args.database) as database:
             for path in args.profiles:
                 database.import_jsonl(path)
             profiles_before = len(database)
-        planner = tf_ucudnn.MicroBatchCallback(args.callback, database=args.database,
-                                               profiles=args.profiles,
+        if args.xla_margin is not None:
+            layer_planner = DatabasePlanner.open(args.callback, args.database,
+                                                 compare_with_xla=True,
+                                                 xla_margin=args.xla_margin)
+        planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner,
+                                               database=args.database, profiles=args.profiles,
                                                trial_steps=args.trial_steps)
         callbacks.insert(0, planner)
-    model.fit(data, epochs=args.epochs + bool(trace), steps_per_epoch=args.steps, verbose=0,
-              shuffle=False, callbacks=callbacks)
+    try:
+        model.fit(data, epochs=args.epochs + bool(trace), steps_per_epoch=args.steps, verbose=0,
+                  shuffle=False, callbacks=callbacks)
+    finally:
+        if layer_planner:
+            layer_planner.close()
     steady = timer.seconds[1:args.epochs]
     result = {
         "img_per_s": args.batch * args.steps / statistics.median(steady),
@@ -174,7 +211,8 @@ def run(args) -> None:
                "batch": args.batch, "dtype": "float32",
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "TF_CUDNN_WORKSPACE_LIMIT_IN_MB": os.environ.get("TF_CUDNN_WORKSPACE_LIMIT_IN_MB"),
-               "callback_workspace_limit": args.callback, "jit_compile": args.jit_compile,
+               "callback_workspace_limit": args.callback, "xla_margin": args.xla_margin,
+               "jit_compile": args.jit_compile,
                "steps_per_epoch": args.steps, "epochs": args.epochs, "models": {}}
     for name in args.models:
         results["models"][name] = _train(name, args)
@@ -229,6 +267,9 @@ def main():
     one.add_argument("--callback", help="train with MicroBatchCallback at this workspace limit")
     one.add_argument("--trial-steps", type=int, default=5,
                      help="the callback's step trial where XLA compiles the step")
+    one.add_argument("--xla-margin", type=float,
+                     help="with --callback: how much faster than XLA's convolution a plan must "
+                          "be predicted (the callback's own: 0.1)")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],

@@ -13,7 +13,10 @@
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
 # PROFILES names the profile records (JSONL, absolute paths) the runs import (default: the NHWC
-# legacy records at batch 128); what they lack, the callback measures on the GPU.
+# legacy records at batch 128); what they lack, the callback measures on the GPU. STEPS and EPOCHS
+# set each run's length (30 steps, 3 epochs, the first not timed). REPEATS=N runs the whole list N
+# times in turn (the runs after the first labelled _r2, _r3, ...), as XLA's autotuner may choose
+# differently in each process.
 # The two rows without XLA at 64 MiB also profile one step after the timed epochs, to say what is
 # alive at each one's peak. With TESTS set (test paths, "tests" for all), the GPU tests there run
 # after the table.
@@ -35,24 +38,29 @@ copy_back() {
 configurations() {
   local default=benchmarks/results/h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz
   local profiles=${PROFILES:-$default}
-  for config in ${*:-tf_default tf_default_noxla tf_64mib_noxla tf_64mib tf_ucudnn_64mib \
-                      tf_ucudnn_64mib_noxla}; do
-    limit=64 options=()
-    case $config in
-      tf_default) limit= ;;
-      tf_default_noxla) limit= options=(--jit-compile off) ;;
-      tf_64mib_noxla) options=(--jit-compile off --trace-peak) ;;
-      tf_64mib) ;;
-      tf_ucudnn_64mib) limit= options=(--callback 64MiB) ;;
-      tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
-      *) echo "unknown configuration $config"; exit 2 ;;
-    esac
-    env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} python3 benchmarks/keras_training.py run \
-      --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-30}" \
-      --epochs 3 --database "$run/profiles.sqlite" \
-      --profiles $profiles \
-      "${options[@]}" --label "$config" --out "$run/$config.json" \
-      2>&1 | grep --line-buffered -v "^W0000\|^I0000" > "$run/$config.log"
+  local list=${*:-tf_default tf_default_noxla tf_64mib_noxla tf_64mib tf_ucudnn_64mib \
+                  tf_ucudnn_64mib_noxla}
+  for repeat in $(seq "${REPEATS:-1}"); do
+    for config in $list; do
+      limit=64 options=() label=$config
+      [ "$repeat" -gt 1 ] && label=${config}_r$repeat
+      case $config in
+        tf_default) limit= ;;
+        tf_default_noxla) limit= options=(--jit-compile off) ;;
+        tf_64mib_noxla) options=(--jit-compile off --trace-peak) ;;
+        tf_64mib) ;;
+        tf_ucudnn_64mib) limit= options=(--callback 64MiB) ;;
+        tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
+        *) echo "unknown configuration $config"; exit 2 ;;
+      esac
+      env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} \
+        python3 benchmarks/keras_training.py run \
+        --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-30}" \
+        --epochs "${EPOCHS:-3}" --database "$run/profiles.sqlite" \
+        --profiles $profiles \
+        "${options[@]}" --label "$label" --out "$run/$label.json" \
+        2>&1 | grep --line-buffered -v "^W0000\|^I0000" > "$run/$label.log"
+    done
   done
   python3 benchmarks/keras_training.py combine "$run"/tf_default.json \
     $(ls "$run"/*.json | grep -v "tf_default.json\|keras_training.json") \

@@ -4,7 +4,8 @@ device_tracer_level=1))`, the step, then `stop()`).
 
 * the allocator's events, replayed: its peak and the buffers alive then (`alive_at_peak`);
 * each op's time: its GPU kernels, which the device tracer tags with the op that launched them,
-  or its run on the CPU executor's threads (`measured_op_ms`);
+  or its run on the CPU executor's threads (`measured_op_ms`); each kernel's time by its name,
+  labelled or not, as XLA's are not (`kernel_ms_by_name`);
 * each GPU's timeline: every op's first start and last end per device, on one clock for all
   GPUs (`gpu_events`, `op_spans`), the time no kernel ran and the longest such gaps with the
   ops around them (`device_timeline`, `gpu_timeline`), and the copies between devices
@@ -236,6 +237,29 @@ def kernel_ms_by_op_type(events: list[GpuEvent]) -> dict[str, dict[str, float]]:
             types[event.op_type] = types.get(event.op_type, 0.0) + event.end_ms - event.start_ms
     return {device: dict(sorted(types.items(), key=lambda item: -item[1]))
             for device, types in by_device.items()}
+
+
+def kernel_ms_by_name(space: xplane_pb2.XSpace) -> dict[str, dict[str, dict]]:
+    """Each GPU's kernels by name, largest total first: {"ms": total, "count": launches}. Every
+    kernel on the GPU's stream lines counts, with an op's label or without: XLA's kernels and
+    custom calls carry none. Copies are left out."""
+    by_device: dict = {}
+    for plane in space.planes:
+        if not plane.name.startswith(GPU_PLANE):
+            continue
+        kernels = by_device.setdefault(plane.name, {})
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):  # not a derived line ("XLA Ops", "Steps")
+                continue
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if "memcpy" in name.lower() or "memset" in name.lower():
+                    continue
+                kernel = kernels.setdefault(name, {"ms": 0.0, "count": 0})
+                kernel["ms"] += event.duration_ps / 1e9
+                kernel["count"] += 1
+    return {device: dict(sorted(kernels.items(), key=lambda item: -item[1]["ms"]))
+            for device, kernels in by_device.items()}
 
 
 def cross_device_copies(events: list[GpuEvent]) -> dict[str, list[dict]]:
