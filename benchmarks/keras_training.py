@@ -3,9 +3,10 @@ synthetic data: images per second of the epochs after the first (which holds tra
 compilation, and the callback's profiling and planning), the first epoch's seconds, and the
 device's peak memory over the whole run and over the later epochs alone. With `--trace-peak`, one
 step after the timed epochs runs under TensorFlow's profiler, which says what was alive at its peak
-and where the GPU's time went, kernel by kernel (convolutions, GEMMs, tf_ucudnn's copies, the
-rest). `--xla-margin` sets how much faster than XLA's own convolution a layer's plan must be
-predicted (negative lets slower plans in, so the callback's step trial measures them).
+and where the GPU's time went: kernels by class (convolutions, GEMMs, tf_ucudnn's copies, the
+rest), copies, and the time the GPU was busy. `--xla-margin` sets how much faster than XLA's own
+convolution a layer's plan must be predicted (negative lets slower plans in, so the callback's
+step trial measures them).
 
 TensorFlow reads TF_CUDNN_WORKSPACE_LIMIT_IN_MB once per process, so each configuration is a run
 of this script, and `combine` puts their results side by side, each against the baseline
@@ -41,7 +42,7 @@ from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.keras import models
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine
-from tf_ucudnn.profiling.step_trace import alive_at_peak, kernel_ms_by_name, read_profile
+from tf_ucudnn.profiling.step_trace import alive_at_peak, gpu_activity, read_profile
 
 # Kernel classes by name, the first match wins: cuDNN's and CUTLASS's convolution kernels say
 # which pass they run (their GEMM is implicit), so they come before the GEMMs.
@@ -53,16 +54,22 @@ KERNEL_CLASSES = (
 
 
 def kernel_summary(space, top: int = 40) -> dict:
-    """The first GPU's kernel time by class and its `top` kernels by name."""
-    kernels = next(iter(kernel_ms_by_name(space).values()), {})
+    """The first GPU's time in the traced step: its kernels by class, its copies, the time its
+    streams were busy and the wall time they spanned, and its `top` kernels by name."""
+    activity = next(iter(gpu_activity(space).values()), None)
+    if activity is None:
+        return {}
     by_class: dict = {}
-    for name, kernel in kernels.items():
+    for name, kernel in activity.kernels.items():
         kind = next((kind for kind, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
         by_class[kind] = by_class.get(kind, 0.0) + kernel["ms"]
-    return {"total_ms": round(sum(by_class.values()), 3),
+    return {"wall_ms": round(activity.wall_ms, 3), "busy_ms": round(activity.busy_ms, 3),
+            "kernel_ms": round(sum(by_class.values()), 3),
             "ms_by_class": {kind: round(ms, 3) for kind, ms in by_class.items()},
+            "copies": {name: {"ms": round(copy["ms"], 4), "count": copy["count"]}
+                       for name, copy in activity.copies.items()},
             "top": [{"name": name, "ms": round(kernel["ms"], 4), "count": kernel["count"]}
-                    for name, kernel in list(kernels.items())[:top]]}
+                    for name, kernel in list(activity.kernels.items())[:top]]}
 
 
 class EpochTimer(keras.callbacks.Callback):

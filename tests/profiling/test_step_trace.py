@@ -176,21 +176,29 @@ def test_kernel_time_per_op_type(space):
     assert list(by_type["/device:GPU:0"]) == ["Conv3D", "Relu", "BiasAdd", "Add"]
 
 
-def test_kernel_time_per_name_counts_unlabelled_kernels(space):
-    # A line the profiler derives from the kernels (XLA's ops over them) must not count twice.
+def test_gpu_activity_counts_unlabelled_kernels_once(space):
+    # A line the profiler derives from the kernels (XLA's ops over them) must not count again.
     gpu0_plane = next(plane for plane in space.planes if plane.name == "/device:GPU:0")
     derived = gpu0_plane.lines.add(name="XLA Ops", timestamp_ns=1_000_000)
     derived.events.add(metadata_id=1, offset_ps=0, duration_ps=50 * MS)
-    by_name = step_trace.kernel_ms_by_name(space)
-    gpu0 = by_name["/device:GPU:0"]
-    # Unlabelled kernels count (XLA's carry no op), the copies do not.
-    assert list(gpu0) == ["kernel", "unlabelled_kernel", "runtime_kernel", "another_kernel"]
-    assert gpu0["kernel"] == {"ms": pytest.approx(6.5), "count": 5}
-    assert gpu0["unlabelled_kernel"] == {"ms": pytest.approx(2.0), "count": 1}
-    assert gpu0["another_kernel"] == {"ms": pytest.approx(0.5), "count": 1}
-    gpu1_ms = sum(kernel["ms"] for kernel in by_name["/device:GPU:1"].values())
-    assert gpu1_ms == pytest.approx(sum(step_trace.kernel_ms_by_op_type(
-        step_trace.gpu_events(space))["/device:GPU:1"].values()))
+    activity = step_trace.gpu_activity(space)
+    gpu0 = activity["/device:GPU:0"]
+    # Unlabelled kernels count (XLA's carry no op); copies are apart.
+    assert list(gpu0.kernels) == ["kernel", "unlabelled_kernel", "runtime_kernel",
+                                  "another_kernel"]
+    assert gpu0.kernels["kernel"] == {"ms": pytest.approx(6.5), "count": 5}
+    assert gpu0.kernels["unlabelled_kernel"] == {"ms": pytest.approx(2.0), "count": 1}
+    assert gpu0.kernels["another_kernel"] == {"ms": pytest.approx(0.5), "count": 1}
+    assert gpu0.copies == {"MemcpyH2D": {"ms": pytest.approx(1.0), "count": 1},
+                           "MemcpyD2H": {"ms": pytest.approx(1.0), "count": 1}}
+    # From the early line's start (0.2 ms) to relu1's end (9 ms); busy: 0.2-4.5 (the early
+    # kernels, conv0, bias0), 5-7 (relu0, then the copy to the host), 8-9 (relu1).
+    assert gpu0.wall_ms == pytest.approx(8.8)
+    assert gpu0.busy_ms == pytest.approx(4.3 + 2.0 + 1.0)
+    gpu1 = activity["/device:GPU:1"]
+    assert sum(kernel["ms"] for kernel in gpu1.kernels.values()) == pytest.approx(sum(
+        step_trace.kernel_ms_by_op_type(step_trace.gpu_events(space))["/device:GPU:1"].values()))
+    assert json.loads(json.dumps(dataclasses.asdict(gpu1)))["busy_ms"] == pytest.approx(1.85)
 
 
 def test_copies_told_from_kernels(space):

@@ -4,8 +4,8 @@ device_tracer_level=1))`, the step, then `stop()`).
 
 * the allocator's events, replayed: its peak and the buffers alive then (`alive_at_peak`);
 * each op's time: its GPU kernels, which the device tracer tags with the op that launched them,
-  or its run on the CPU executor's threads (`measured_op_ms`); each kernel's time by its name,
-  labelled or not, as XLA's are not (`kernel_ms_by_name`);
+  or its run on the CPU executor's threads (`measured_op_ms`); each GPU's kernels and copies by
+  name, labelled or not (XLA's are not), and the time its streams were busy (`gpu_activity`);
 * each GPU's timeline: every op's first start and last end per device, on one clock for all
   GPUs (`gpu_events`, `op_spans`), the time no kernel ran and the longest such gaps with the
   ops around them (`device_timeline`, `gpu_timeline`), and the copies between devices
@@ -239,27 +239,55 @@ def kernel_ms_by_op_type(events: list[GpuEvent]) -> dict[str, dict[str, float]]:
             for device, types in by_device.items()}
 
 
-def kernel_ms_by_name(space: xplane_pb2.XSpace) -> dict[str, dict[str, dict]]:
-    """Each GPU's kernels by name, largest total first: {"ms": total, "count": launches}. Every
-    kernel on the GPU's stream lines counts, with an op's label or without: XLA's kernels and
-    custom calls carry none. Copies are left out."""
-    by_device: dict = {}
+@dataclasses.dataclass(frozen=True)
+class GpuActivity:
+    """What one GPU's streams did in a trace, labelled by an op or not (XLA's kernels and custom
+    calls carry none). Kernels and copies by name, largest total first, each {"ms", "count"};
+    `busy_ms` the time at least one of them ran, `wall_ms` from the first start to the last end."""
+
+    wall_ms: float
+    busy_ms: float
+    kernels: dict
+    copies: dict
+
+
+def gpu_activity(space: xplane_pb2.XSpace) -> dict[str, GpuActivity]:
+    """Each GPU's `GpuActivity`, read from its stream lines only: the profiler's derived lines
+    ("XLA Ops", "Steps") repeat the same time."""
+    activity = {}
     for plane in space.planes:
         if not plane.name.startswith(GPU_PLANE):
             continue
-        kernels = by_device.setdefault(plane.name, {})
+        kernels: dict = {}
+        copies: dict = {}
+        spans = []
         for line in plane.lines:
-            if not line.name.startswith("Stream"):  # not a derived line ("XLA Ops", "Steps")
+            if not line.name.startswith("Stream"):
                 continue
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
-                if "memcpy" in name.lower() or "memset" in name.lower():
-                    continue
-                kernel = kernels.setdefault(name, {"ms": 0.0, "count": 0})
-                kernel["ms"] += event.duration_ps / 1e9
-                kernel["count"] += 1
-    return {device: dict(sorted(kernels.items(), key=lambda item: -item[1]["ms"]))
-            for device, kernels in by_device.items()}
+                start_ps = line.timestamp_ns * 1000 + event.offset_ps
+                spans.append((start_ps, start_ps + event.duration_ps))
+                table = copies if re.search("memcpy|memset", name, re.IGNORECASE) else kernels
+                entry = table.setdefault(name, {"ms": 0.0, "count": 0})
+                entry["ms"] += event.duration_ps / 1e9
+                entry["count"] += 1
+        spans.sort()
+        busy_ps, reach = 0, None
+        for start, end in spans:
+            if reach is None or start > reach:
+                busy_ps += end - start
+                reach = end
+            elif end > reach:
+                busy_ps += end - reach
+                reach = end
+        wall_ps = max(end for _, end in spans) - spans[0][0] if spans else 0
+
+        def largest_first(table):
+            return dict(sorted(table.items(), key=lambda item: -item[1]["ms"]))
+        activity[plane.name] = GpuActivity(wall_ps / 1e9, busy_ps / 1e9, largest_first(kernels),
+                                           largest_first(copies))
+    return activity
 
 
 def cross_device_copies(events: list[GpuEvent]) -> dict[str, list[dict]]:
