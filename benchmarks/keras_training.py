@@ -272,7 +272,7 @@ def main():
     one.add_argument("--steps", type=int, default=20, help="steps per epoch")
     one.add_argument("--epochs", type=int, default=3, help="the first one is not timed")
     one.add_argument("--callback", help="train with MicroBatchCallback at this workspace limit")
-    one.add_argument("--trial-steps", type=int, default=5,
+    one.add_argument("--trial-steps", type=int, default=10,
                      help="the callback's step trial where XLA compiles the step")
     one.add_argument("--xla-margin", type=float,
                      help="with --callback: how much faster than XLA's convolution a plan must "

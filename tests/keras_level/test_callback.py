@@ -520,12 +520,14 @@ class _FakeClock:
 
 
 @pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
-    (10.0, 5.0, "XLA's own convolutions"), (5.0, 10.0, "plans")])
+    (10.0, 5.0, "XLA's own convolutions"), (5.0, 10.0, "plans"),
+    (9.95, 10.0, "XLA's own convolutions")])  # faster, but by less than TRIAL_MARGIN
 def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned_ms, kept):
-    """Two steps timed each way, after a first one each way that is not; then the faster stays.
-    Kept without its plans, every layer is reported left alone with the two times."""
+    """A first step each way that is not timed, then two each way in turns; then the plans stay
+    if they are TRIAL_MARGIN faster. Kept without its plans, every layer is reported left alone
+    with the two times."""
     import tf_ucudnn.keras.callback as callback_module
-    clock = _FakeClock([1.0] + [planned_ms / 1e3] * 2 + [1.0] + [unplanned_ms / 1e3] * 2)
+    clock = _FakeClock([1.0, 1.0] + [planned_ms / 1e3, unplanned_ms / 1e3] * 2)
     monkeypatch.setattr(callback_module, "time", clock)
     plain, _ = _fit(_vgg_style, [], jit_compile=True)
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
@@ -539,11 +541,32 @@ def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned
     else:
         assert callback.report.layers == []
         measured = [item for item in callback.report.left_alone if item.reason.startswith(
-            "measured: the step with the plans took 10.00 ms, with XLA's own convolutions "
-            "5.00 ms")]
+            f"measured: the step with the plans took {planned_ms:.2f} ms, with XLA's own "
+            f"convolutions {unplanned_ms:.2f} ms (the plans must gain 1%)")]
         assert len(measured) == 3
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_step_trial_takes_turns(monkeypatch):
+    """The planned step and Keras's alternate, step by step, so a drift weighs on both alike."""
+    import tf_ucudnn.keras.callback as callback_module
+    monkeypatch.setattr(callback_module, "time", _FakeClock([1.0, 1.0] + [0.005, 0.010] * 3))
+    switched = []
+    own_guarded = MicroBatchCallback._guarded
+
+    def guarded(self, inner):
+        if self._trial is not None:
+            switched.append(inner)
+        return own_guarded(self, inner)
+    monkeypatch.setattr(MicroBatchCallback, "_guarded", guarded)
+    callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=3, verbose=0)
+    _fit(_vgg_style, [callback], epochs=4, jit_compile=True)
+    assert callback.report.trial.kept == "plans"
+    planned, unplanned = switched[:2]
+    assert planned is not unplanned
+    # The planned step first, then a switch after each of the 2 + 2 * 3 trial steps but the last.
+    assert switched == [planned, unplanned] * 4
 
 
 def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
@@ -564,8 +587,7 @@ def test_with_xla_and_no_layer_planned_the_compiled_step_goes_on(monkeypatch):
 
 def test_without_xla_the_step_trial_weighs_the_plans_against_tensorflows_convolutions(monkeypatch):
     import tf_ucudnn.keras.callback as callback_module
-    monkeypatch.setattr(callback_module, "time",
-                        _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
+    monkeypatch.setattr(callback_module, "time", _FakeClock([1.0, 1.0] + [0.010, 0.005] * 2))
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
     model, _ = _fit(_vgg_style, [callback], jit_compile=False)
     assert callback.report.trial.kept == "TensorFlow's own convolutions"
@@ -602,8 +624,7 @@ def test_grapplers_layout_optimizer_is_off_while_planned_layers_train_without_xl
 
 def test_when_the_step_trial_keeps_tensorflows_step_the_layout_optimizer_comes_back(monkeypatch):
     import tf_ucudnn.keras.callback as callback_module
-    monkeypatch.setattr(callback_module, "time",
-                        _FakeClock([1.0] + [0.010] * 2 + [1.0] + [0.005] * 2))
+    monkeypatch.setattr(callback_module, "time", _FakeClock([1.0, 1.0] + [0.010, 0.005] * 2))
     seen = _LayoutOptimizerSeen()
     callback = MicroBatchCallback(planner=SplittingPlanner(), trial_steps=2, verbose=0)
     _fit(_vgg_style, [seen, callback], epochs=3, jit_compile=False)

@@ -81,6 +81,10 @@ from tf_ucudnn.report import (
     StepTrial,
 )
 
+# How much faster the step trial must find the plans' step than Keras's before keeping it: step
+# times scatter by about that much, and Keras's own step is the safe choice.
+TRIAL_MARGIN = 0.01
+
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                       keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
                       keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
@@ -160,8 +164,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
         are TensorFlow's convolutions, so this needs `workspace_limit=None`.
       trial_steps: where some layer is planned, how many steps to time with the plans and as
-        Keras made the step before them (XLA's or TensorFlow's own convolutions) before keeping
-        the faster; 0 keeps the plans without timing them.
+        Keras made the step before them (XLA's or TensorFlow's own convolutions), in turns,
+        before keeping the plans if their median step is at least `TRIAL_MARGIN` faster, else
+        Keras's step; 0 keeps the plans without timing them.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
@@ -175,7 +180,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  accumulate_gradients: bool = True, batch_norm_statistics: str = "batch",
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
-                 trial_steps: int = 5, verbose: int = 1):
+                 trial_steps: int = 10, verbose: int = 1):
         super().__init__()
         if stream_conv_batch_norm and workspace_limit is not None:
             raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
@@ -581,26 +586,26 @@ class MicroBatchCallback(keras.callbacks.Callback):
         trial = self._trial
         trial.steps_seen += 1
         result = trial.result
-        # Each step's first call is not timed: the planned one compiles, and the unplanned one
-        # may be optimized again (Grappler's options changed with the plans).
-        if trial.steps_seen == 1 or trial.steps_seen == result.steps + 2:
-            return
-        if len(result.planned_ms) < result.steps:
-            result.planned_ms.append(seconds * 1e3)
-            if len(result.planned_ms) == result.steps:
-                self.model.train_function = self._guarded(trial.unplanned)
-            return
-        result.unplanned_ms.append(seconds * 1e3)
+        # The two steps take turns, so that a drift in the device's speed (its clocks, the
+        # allocator settling) weighs on both alike. Each one's first call is not timed: the
+        # planned one compiles, and the unplanned one may be optimized again (Grappler's options
+        # changed with the plans).
+        ran_planned = trial.steps_seen % 2 == 1
+        if trial.steps_seen > 2:
+            (result.planned_ms if ran_planned else result.unplanned_ms).append(seconds * 1e3)
         if len(result.unplanned_ms) < result.steps:
+            self.model.train_function = self._guarded(
+                trial.unplanned if ran_planned else trial.planned)
             return
         self._trial = None
-        if result.planned_median_ms < result.unplanned_median_ms:
+        if result.planned_median_ms < (1 - TRIAL_MARGIN) * result.unplanned_median_ms:
             result.kept = "plans"
             self.model.train_function = self._guarded(trial.planned)
         else:
             result.kept = result.own
             reason = (f"measured: the step with the plans took {result.planned_median_ms:.2f} "
-                      f"ms, with {result.own} {result.unplanned_median_ms:.2f} ms")
+                      f"ms, with {result.own} {result.unplanned_median_ms:.2f} ms (the plans "
+                      f"must gain {TRIAL_MARGIN:.0%})")
             self.report.left_alone += [LeftAlone(item.layer.name, "", reason)
                                        for item in self.report.layers]
             self.report.layers, self.report.fused, self.report.not_fused = [], [], []
