@@ -13,6 +13,14 @@ backward: time per step and the GPU memory held beyond the input, side by side i
   written-out gradient, each way one XLA computation over the channels-last input.
 - ucudnn: its "ucudnn" kernel, tf_ucudnn's own op: cuDNN's batch normalization on the NHWC
   descriptor (persistent spatial mode), one call each way.
+- keras: Keras's own BatchNormalization layer in training, its gradient by autodiff.
+
+With `--jit-compile` each step is one XLA computation, as in Keras's default training step on a
+GPU: Keras's layer, the "xla" kernel and FusedBatchNormV3 (XLA's batch-norm-training op there)
+side by side say whether a written-out gradient beats XLA's fusions of the autodiff one.
+
+    python benchmarks/batch_norm_kernels.py --jit-compile --variants keras xla fused_nhwc \
+        --out $OUT/bnx.json
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import time
 
+import keras
 import tensorflow as tf
 
 from tf_ucudnn.keras.batch_norm_forms import KERNELS, MIN_EPSILON
@@ -47,16 +56,31 @@ def ucudnn(x, scale, offset):
     return KERNELS["ucudnn"](x, scale, offset, MIN_EPSILON)[0]
 
 
-VARIANTS = {"fused_nhwc": fused_nhwc, "fused_rows": fused_rows, "xla": xla, "ucudnn": ucudnn}
+def keras_layer(x, scale, offset):
+    layer = keras.layers.BatchNormalization(epsilon=MIN_EPSILON)
+    layer.build(x.shape)
+    layer.gamma.assign(scale)
+    layer.beta.assign(offset)
+    # The tf.Variables under Keras's own, which the tape watches.
+    return (lambda x, *_: layer(x, training=True)), [layer.gamma.value, layer.beta.value]
 
 
-def measure(name: str, shape, steps: int) -> dict:
+def _ops(normalization):
+    return lambda x, scale, offset: (normalization, [scale, offset])
+
+
+# Each variant's builder: called once with the step's tensors, it returns the normalization and
+# the scale and offset to differentiate (a Keras layer's are its variables).
+VARIANTS = {"fused_nhwc": _ops(fused_nhwc), "fused_rows": _ops(fused_rows), "xla": _ops(xla),
+            "ucudnn": _ops(ucudnn), "keras": keras_layer}
+
+
+def measure(name: str, shape, steps: int, jit_compile: bool = False) -> dict:
     x = tf.random.stateless_normal(shape, seed=[1, 2])
-    scale, offset = tf.ones([shape[-1]]), tf.zeros([shape[-1]])
     dy = tf.random.stateless_normal(shape, seed=[3, 4])
-    batch_norm = VARIANTS[name]
+    batch_norm, (scale, offset) = VARIANTS[name](x, tf.ones([shape[-1]]), tf.zeros([shape[-1]]))
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def step():
         with tf.GradientTape() as tape:
             tape.watch([x, scale, offset])
@@ -84,16 +108,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", type=int, nargs="+", default=[192, 56, 56, 256])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--jit-compile", action="store_true",
+                        help="each step one XLA computation, as Keras's default step on a GPU")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gpus = tf.config.list_logical_devices("GPU")
     results = {"benchmark": "batch_norm_kernels", "tensorflow": tf.__version__,
                "device": tf.config.experimental.get_device_details(
                    tf.config.list_physical_devices("GPU")[0])["device_name"] if gpus else "CPU",
-               "shape": args.shape, "variants": {}}
+               "shape": args.shape, "jit_compile": args.jit_compile, "variants": {}}
     for name in args.variants:
-        results["variants"][name] = measure(name, args.shape, args.steps)
+        results["variants"][name] = measure(name, args.shape, args.steps, args.jit_compile)
         print(name, results["variants"][name], flush=True)
         with open(args.out, "w") as out:
             json.dump(results, out, indent=1)

@@ -40,6 +40,7 @@ import tensorflow as tf
 import tf_ucudnn
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.keras import models
+from tf_ucudnn.keras.batch_norm_forms import KERNELS
 from tf_ucudnn.profiling import ProfileDatabase
 from tf_ucudnn.profiling.profiler import current_machine
 from tf_ucudnn.profiling.step_trace import alive_at_peak, gpu_activity, read_profile
@@ -175,6 +176,7 @@ def _train(name: str, args) -> dict:
                                                  xla_margin=args.xla_margin)
         planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner,
                                                database=args.database, profiles=args.profiles,
+                                               fuse_batch_norm=args.fuse_batch_norm or False,
                                                trial_steps=args.trial_steps)
         callbacks.insert(0, planner)
     try:
@@ -219,6 +221,7 @@ def run(args) -> None:
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "TF_CUDNN_WORKSPACE_LIMIT_IN_MB": os.environ.get("TF_CUDNN_WORKSPACE_LIMIT_IN_MB"),
                "callback_workspace_limit": args.callback, "xla_margin": args.xla_margin,
+               "fuse_batch_norm": args.fuse_batch_norm,
                "jit_compile": args.jit_compile,
                "steps_per_epoch": args.steps, "epochs": args.epochs, "models": {}}
     for name in args.models:
@@ -277,6 +280,8 @@ def main():
     one.add_argument("--xla-margin", type=float,
                      help="with --callback: how much faster than XLA's convolution a plan must "
                           "be predicted (the callback's own: 0.1)")
+    one.add_argument("--fuse-batch-norm", choices=sorted(KERNELS),
+                     help="with --callback: the batch normalization form it trains with")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],
