@@ -256,10 +256,48 @@ def combine(args) -> None:
             lines.append(f"{run_['label']} | {name} | {cell['img_per_s']} | "
                          f"{'' if ratio is None else f'{ratio:.0%}'} | {cell['peak_gb']} "
                          f"({cell['steady_peak_gb']}) | {cell['first_epoch_s']}")
+    repeats = _against_own_baseline(runs, args.baseline)
+    if repeats:
+        lines += ["", f"each configuration against {args.baseline} of the same round "
+                      "(REPEATS: label_rN is round N)",
+                  "configuration | model | img/s by round | vs baseline by round | median"]
+        for label, models_ in repeats.items():
+            for name, row in models_.items():
+                lines.append(f"{label} | {name} | {' / '.join(map(str, row['img_per_s']))} | "
+                             f"{' / '.join(f'{r:.1%}' for r in row['vs_baseline'])} | "
+                             f"{row['median_vs_baseline']:.1%}")
     print(f"against {args.baseline}\n" + "\n".join(lines))
     with open(args.out, "w") as out:
         json.dump({"benchmark": "keras_training", "baseline": args.baseline, "table": table,
-                   "runs": runs}, out, indent=1)
+                   "against_own_round": repeats, "runs": runs}, out, indent=1)
+
+
+def _against_own_baseline(runs, baseline: str) -> dict:
+    """Configurations run in rounds (labels label, label_r2, ...): each round's img/s against
+    the baseline's in the same round, and the median ratio. Empty unless some ran twice."""
+    by_label = {run_["label"]: run_ for run_ in runs}
+    rounds: dict = {}
+    for label in by_label:
+        match = re.fullmatch(r"(.+?)(?:_r(\d+))?", label)
+        rounds.setdefault(match.group(1), []).append((int(match.group(2) or 1), label))
+    result = {}
+    for config, labels in rounds.items():
+        if config == baseline or len(labels) < 2:
+            continue
+        for name in by_label[labels[0][1]]["models"]:
+            speeds, ratios = [], []
+            for round_, label in sorted(labels):
+                base = by_label.get(baseline if round_ == 1 else f"{baseline}_r{round_}")
+                row, base_row = (by_label[label]["models"].get(name),
+                                 base and base["models"].get(name))
+                if row and base_row:
+                    speeds.append(round(row["img_per_s"], 1))
+                    ratios.append(row["img_per_s"] / base_row["img_per_s"])
+            if ratios:
+                result.setdefault(config, {})[name] = {
+                    "img_per_s": speeds, "vs_baseline": [round(r, 4) for r in ratios],
+                    "median_vs_baseline": round(statistics.median(ratios), 4)}
+    return result
 
 
 def _gb(value):
