@@ -282,12 +282,13 @@ def gpu_activity(space: xplane_pb2.XSpace) -> dict[str, GpuActivity]:
                 busy_ps += end - reach
                 reach = end
         wall_ps = max(end for _, end in spans) - spans[0][0] if spans else 0
-
-        def largest_first(table):
-            return dict(sorted(table.items(), key=lambda item: -item[1]["ms"]))
-        activity[plane.name] = GpuActivity(wall_ps / 1e9, busy_ps / 1e9, largest_first(kernels),
-                                           largest_first(copies))
+        activity[plane.name] = GpuActivity(wall_ps / 1e9, busy_ps / 1e9,
+                                           _largest_first(kernels), _largest_first(copies))
     return activity
+
+
+def _largest_first(table: dict) -> dict:
+    return dict(sorted(table.items(), key=lambda item: -item[1]["ms"]))
 
 
 def cross_device_copies(events: list[GpuEvent]) -> dict[str, list[dict]]:
