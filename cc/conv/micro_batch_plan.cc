@@ -17,8 +17,8 @@ namespace tf_ucudnn {
 namespace {
 
 const char* const kMathNames[] = {"default", "tensor_op", "tensor_op_allow_conversion", "fma"};
-constexpr ConvForm kForms[] = {ConvForm::kDirect, ConvForm::kSubsampled,
-                                ConvForm::kSpaceToDepth};
+constexpr ConvForm kForms[] = {ConvForm::kDirect, ConvForm::kSubsampled, ConvForm::kSpaceToDepth,
+                                ConvForm::kChannelsFirst};
 
 // Knob names as plan.py takes them: an upper-case letter, then upper-case letters, digits, '_'.
 bool IsKnobName(absl::string_view name) {
@@ -50,6 +50,8 @@ const char* FormName(ConvForm form) {
       return "subsampled";
     case ConvForm::kSpaceToDepth:
       return "space_to_depth";
+    case ConvForm::kChannelsFirst:
+      return "channels_first";
   }
   return "?";
 }
@@ -75,7 +77,7 @@ absl::Status AlgorithmSpec::Parse(const std::string& text, ConvKernel kernel,
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot parse algorithm '", text, "': ", why,
         " (expected 'auto', 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', "
-        "either followed by ',subsampled=1' or ',space_to_depth=1')"));
+        "either followed by ',subsampled=1', ',space_to_depth=1' or ',channels_first=1')"));
   };
   std::map<std::string, std::string> fields;
   for (absl::string_view item : absl::StrSplit(trimmed, ',')) {
@@ -213,6 +215,11 @@ absl::Status CheckForm(const ConvGeometry& g, ConvForm form) {
       return absl::InvalidArgumentError(absl::StrCat(
           "a convolution in space-to-depth blocks needs two spatial dimensions, one stride above "
           "1 in both, a filter of more than one tap, no dilation and no groups, not ",
+          g.DebugString()));
+    case ConvForm::kChannelsFirst:
+      if (g.channels_last) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a convolution on channels-first copies needs channels-last tensors, not ",
           g.DebugString()));
   }
   return absl::InvalidArgumentError("unknown form");

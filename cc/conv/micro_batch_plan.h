@@ -26,11 +26,14 @@ enum class MathMode : int {
 };
 
 // How cuDNN is given a convolution (cc/cudnn/layout.h): as it is; as a stride-1 convolution on a
-// copy of its input's strided samples (a 1x1 filter); or as a stride-1 convolution on a copy of
-// its input in space-to-depth blocks of the stride (a strided filter over few channels).
-enum class ConvForm : int { kDirect = 0, kSubsampled = 1, kSpaceToDepth = 2 };
+// copy of its input's strided samples (a 1x1 filter); as a stride-1 convolution on a copy of its
+// input in space-to-depth blocks of the stride (a strided filter over few channels); or, for a
+// channels-last op, on channels-first copies of its tensors (where cuDNN's channels-first
+// kernels are the faster, as for grouped and depthwise convolutions).
+enum class ConvForm : int { kDirect = 0, kSubsampled = 1, kSpaceToDepth = 2, kChannelsFirst = 3 };
 
-// The form's name, as a plan's algorithm text flags it (",subsampled=1", ",space_to_depth=1").
+// The form's name, as a plan's algorithm text flags it (",subsampled=1", ",space_to_depth=1",
+// ",channels_first=1").
 const char* FormName(ConvForm form);
 
 // A knob of a graph-API engine configuration: its KnobType_t name (SPLIT_K_SLC, ...) and value.

@@ -116,7 +116,8 @@ class CudnnConvolution {
   absl::Status TimeEngines(void* cudnn_input, void* cudnn_output, void* workspace,
                            size_t workspace_bytes, int64_t size,
                            std::vector<AlgorithmMeasurement>* measurements);
-  absl::Status TimeFormCopies(int64_t size, void* cudnn_input, float* time_ms);
+  absl::Status TimeFormCopies(int64_t size, void* cudnn_input, void* cudnn_output,
+                              float* time_ms);
 
   ConvResources* resources_;
   const ConvKernel kernel_;

@@ -35,8 +35,11 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
   TF_RETURN_IF_ERROR(AllocateBuffers(workspace_limit));
   int64_t largest = 0;
   for (int64_t size : sizes) largest = std::max(largest, size);
-  // Results go to scratch; operands are copied where cuDNN needs another layout or padding.
-  if (kernel_ == ConvKernel::kForward && !layout_.transposed()) {
+  // Results go to scratch; operands are copied where cuDNN needs another layout or padding. (A
+  // forward result cuDNN writes transposed stays in cuDNN's copy, unless a form's copies are
+  // timed: those write the op's layout too.)
+  if (kernel_ == ConvKernel::kForward &&
+      (!layout_.transposed() || layout_.form() != ConvForm::kDirect)) {
     TF_RETURN_IF_ERROR(AllocateElements(largest * g_.OutputSampleSize(), &buffers_.output));
   } else if (kernel_ == ConvKernel::kBackpropInput &&
              (!layout_.needs_input_copy() || layout_.form() != ConvForm::kDirect)) {
@@ -66,8 +69,10 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
     // A call in another form costs its copies beside cuDNN's, and the copy of its input beside
     // cuDNN's workspace: both count against what the plan chooses.
     float copies_ms = 0;
-    TF_RETURN_IF_ERROR(TimeFormCopies(size, cudnn_input, &copies_ms));
-    const size_t copy_bytes = size * layout_.PaddedInputSampleSize() * ElementSize(type_);
+    TF_RETURN_IF_ERROR(TimeFormCopies(size, cudnn_input, cudnn_output, &copies_ms));
+    const size_t copy_bytes =
+        size * ElementSize(type_) *
+        (layout_.PaddedInputSampleSize() + (layout_.transposed() ? g_.OutputSampleSize() : 0));
     for (size_t i = first; i < measurements->size(); ++i) {
       AlgorithmMeasurement& m = (*measurements)[i];
       m.algorithm.form = layout_.form();
@@ -81,14 +86,25 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
 // The copies a micro-batch of `size` in the layout's form adds to cuDNN's call, as Run makes
 // them: the input's strided samples or blocks gathered, or the input gradient (zeroed where the
 // copy does not cover it) scattered back.
-absl::Status CudnnConvolution::TimeFormCopies(int64_t size, void* cudnn_input, float* time_ms) {
+// The copies a micro-batch of `size` makes in a form: its input's (or, backward, its input
+// gradient's), and where cuDNN's tensors are transposed its output's (or output gradient's) too.
+absl::Status CudnnConvolution::TimeFormCopies(int64_t size, void* cudnn_input, void* cudnn_output,
+                                              float* time_ms) {
   const absl::Status status = MedianGpuTime(
       stream_, kEngineTimingRepeats,
       [&] {
-        return kernel_ == ConvKernel::kBackpropInput
-                   ? CopyInputGradientBack(size, cudnn_input, buffers_.input)
-                   : Copy(layout_.InputCopy(size, /*to_cudnn=*/true), buffers_.input,
-                          cudnn_input);
+        absl::Status copied = kernel_ == ConvKernel::kBackpropInput
+                                  ? CopyInputGradientBack(size, cudnn_input, buffers_.input)
+                                  : Copy(layout_.InputCopy(size, /*to_cudnn=*/true),
+                                         buffers_.input, cudnn_input);
+        if (copied.ok() && layout_.transposed()) {
+          copied = kernel_ == ConvKernel::kForward
+                       ? Copy(layout_.OutputCopy(size, /*to_cudnn=*/false), cudnn_output,
+                              buffers_.output)
+                       : Copy(layout_.OutputCopy(size, /*to_cudnn=*/true), buffers_.output,
+                              cudnn_output);
+        }
+        return copied;
       },
       time_ms);
   if (status.ok()) return status;

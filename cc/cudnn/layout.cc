@@ -114,7 +114,7 @@ CopySide UnblockedSide(const std::vector<int64_t>& strides, const std::vector<in
 
 CudnnLayout::CudnnLayout(const ConvGeometry& g, bool float64, ConvForm form)
     : g_(g),
-      channels_last_(g.channels_last && !float64),
+      channels_last_(g.channels_last && !float64 && form != ConvForm::kChannelsFirst),
       transposed_(channels_last_ != g.channels_last),
       form_(form),
       cudnn_in_channels_(g.GroupInChannels()),

@@ -41,6 +41,7 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("form", &form));
     form_ = form == "subsampled"       ? ConvForm::kSubsampled
             : form == "space_to_depth" ? ConvForm::kSpaceToDepth
+            : form == "channels_first" ? ConvForm::kChannelsFirst
                                        : ConvForm::kDirect;
     int64_t limit = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("workspace_limit", &limit));

@@ -24,7 +24,7 @@ REGISTER_OP("UcudnnProfileConvolution")
     .Attr("batch_sizes: list(int)")
     .Attr("workspace_limit: int")
     .Attr("candidates: {'legacy', 'engines'} = 'legacy'")
-    .Attr("form: {'direct', 'subsampled', 'space_to_depth'} = 'direct'")
+    .Attr("form: {'direct', 'subsampled', 'space_to_depth', 'channels_first'} = 'direct'")
     // Each run measures anew: never constant-folded, merged or skipped.
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -42,13 +42,14 @@ knob variants (a warm-up run, then the median of five runs between CUDA events e
 times them as cuDNN is given the convolution: 'direct' as it is, 'subsampled' as a stride-1
 convolution on a copy of the input's strided samples (a 1x1 filter, no padding, a stride above
 1), 'space_to_depth' as a stride-1 convolution on a copy of the input in blocks of the stride
-(two spatial dims, one stride above 1, a filter of more than one tap, no dilation or groups); in
-the latter two each time with the copies' and each workspace with the copy's.
+(two spatial dims, one stride above 1, a filter of more than one tap, no dilation or groups),
+'channels_first' on channels-first copies of a channels-last convolution's tensors; in the
+latter three each time with the copies' and each workspace with the copies'.
 
 measurements: one row per candidate run: batch size, time in milliseconds, workspace bytes,
   1 if cuDNN says it is deterministic else 0.
 algorithms: each row's candidate as plan text ("algo=N,math=NAME" or "engine=N[,knobs=...]",
-  then ",subsampled=1" or ",space_to_depth=1" in those forms).
+  then ",subsampled=1", ",space_to_depth=1" or ",channels_first=1" in those forms).
 )doc");
 
 REGISTER_OP("UcudnnCudnnVersion")

@@ -99,8 +99,10 @@ enum class Kernel { kForward, kBackpropInput, kBackpropFilter };
 
 // The form's name without micro_batch_plan.cc, whose messages need absl's libraries.
 const char* Name(ConvForm form) {
-  return form == ConvForm::kSpaceToDepth ? "space_to_depth"
-         : form == ConvForm::kSubsampled ? "subsampled" : "direct";
+  return form == ConvForm::kSpaceToDepth    ? "space_to_depth"
+         : form == ConvForm::kSubsampled    ? "subsampled"
+         : form == ConvForm::kChannelsFirst ? "channels_first"
+                                            : "direct";
 }
 
 // One naive loop for the three kernels: y = conv(x, w), dx += dy * w, dw += dy * x.
@@ -292,7 +294,7 @@ int main() {
   using tf_ucudnn::Check;
   using tf_ucudnn::ConvForm;
   const ConvForm blocks = ConvForm::kSpaceToDepth, direct = ConvForm::kDirect,
-                 subsampled = ConvForm::kSubsampled;
+                 subsampled = ConvForm::kSubsampled, channels_first = ConvForm::kChannelsFirst;
   int wrong = 0;
   for (bool channels_last : {false, true}) {
     for (bool float64 : {false, true}) {
@@ -313,6 +315,10 @@ int main() {
       check(direct, 2, 10, 9, 4, 5, 3, 1, 2, 1, 0, 2);
       check(subsampled, 8, 10, 10, 6, 1, 1, 2, 0, 0, 0, 0);
       check(subsampled, 8, 9, 11, 6, 1, 1, 3, 0, 0, 0, 0);
+      if (channels_last) {  // channels-first copies of channels-last tensors
+        check(channels_first, 4, 9, 11, 6, 3, 3, 2, 1, 1, 0, 1);
+        check(channels_first, 2, 10, 9, 4, 5, 3, 1, 2, 1, 0, 2);
+      }
     }
   }
   wrong += tf_ucudnn::RandomCopyMismatches() > 0;

@@ -1,6 +1,7 @@
-"""Strided convolutions planned in another form than as they are, a stride-1 convolution on a copy
-of the input: strided 1x1 ones subsampled (the input's strided samples), strided ones of few
-channels in space-to-depth blocks of the stride. The same results as TensorFlow's own convolution
+"""Convolutions planned in another form than as they are: strided 1x1 ones subsampled (a stride-1
+convolution on the input's strided samples), strided ones of few channels in space-to-depth
+blocks of the stride, channels-last ones on channels-first copies of their tensors. The same
+results as TensorFlow's own convolution
 for every kernel, layout, padding and type, with legacy algorithms and engine configurations,
 eagerly and under XLA; measured with the copies counted; and refused, naming the reason, where a
 plan mixes forms or a convolution cannot take its form."""
@@ -12,6 +13,7 @@ import tensorflow as tf
 
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.plan import (
+    CHANNELS_FIRST,
     KERNELS,
     SPACE_TO_DEPTH,
     SUBSAMPLED,
@@ -52,6 +54,13 @@ CONFIGS = {
         "NCHW-3x3-s4-unread": reference.Conv((5, 2, 18, 18), (3, 3, 2, 4), strides=(4, 4),
                                              padding="VALID", data_format="NCHW"),
     },
+    CHANNELS_FIRST: {
+        "NHWC-depthwise-3x3-SAME": reference.Conv((5, 9, 9, 6), (3, 3, 1, 6), padding="SAME"),
+        "NHWC-grouped2-3x3-s2-asymmetric": reference.Conv(
+            (5, 10, 9, 4), (3, 3, 2, 6), strides=(2, 2),
+            padding=[[0, 0], [1, 2], [0, 1], [0, 0]]),
+        "NDHWC-3x3x3": reference.Conv((5, 4, 5, 6, 3), (3, 3, 3, 3, 4), padding="VALID"),
+    },
 }
 # Legacy algorithms every kernel of the stride-1 convolution cuDNN is given runs.
 ALGORITHMS = {"fwd": "algo=0", "bwd_data": "algo=1", "bwd_filter": "algo=1"}
@@ -74,7 +83,8 @@ def test_plans_in_each_form_compute_tensorflows_convolution(device, form, config
 @pytest.mark.parametrize("form, config", [(SUBSAMPLED, "NCHW-s2"),
                                           (SUBSAMPLED, "NHWC-s2-odd-SAME"),
                                           (SPACE_TO_DEPTH, "NCHW-7x7-s2-pad3"),
-                                          (SPACE_TO_DEPTH, "NHWC-3x3-s2-odd-SAME")])
+                                          (SPACE_TO_DEPTH, "NHWC-3x3-s2-odd-SAME"),
+                                          (CHANNELS_FIRST, "NHWC-depthwise-3x3-SAME")])
 def test_plans_in_each_form_run_under_xla(device, form, config, rng):
     reference.check_conv(device, CONFIGS[form][config], tf.float32, _plan(form), rng,
                          jit_compile=True)
@@ -114,6 +124,15 @@ def test_a_form_a_convolution_cannot_take_is_refused_naming_why(device, form, fi
     assert why in info.value.message
 
 
+def test_a_channels_first_convolution_is_not_given_channels_first_copies(device):
+    x, w = tf.ones([2, 3, 6, 6]), tf.ones([3, 3, 3, 2])
+    with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError,
+                                          match="needs channels-last tensors"):
+        op_library().ucudnn_conv2d(x, w, strides=[1, 1, 1, 1], padding="VALID",
+                                   data_format="NCHW", micro_batches=[2],
+                                   algorithms=["algo=0,channels_first=1"])
+
+
 def test_a_grouped_or_dilated_convolution_is_not_run_in_blocks(device):
     x = tf.ones([2, 8, 8, 4])
     with tf.device(device), pytest.raises(tf.errors.InvalidArgumentError, match="no groups"):
@@ -124,7 +143,7 @@ def test_a_grouped_or_dilated_convolution_is_not_run_in_blocks(device):
                                    algorithms=["algo=0,space_to_depth=1"])
 
 
-@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH])
+@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH, CHANNELS_FIRST])
 def test_the_fused_op_leaves_plans_in_other_forms_to_the_convolution(form):
     plan = _plan(form)
     assert f"runs in the {form} form" in fused_conv.plan_refusal(plan)
@@ -174,13 +193,15 @@ def test_geometries_keep_their_padding():
     stem = _geometry(CONFIGS[SPACE_TO_DEPTH]["NCHW-7x7-s2-pad3"])
     assert stem.pads == (3, 3) and stem.can_space_to_depth
     assert _geometry(CONFIGS[SUBSAMPLED]["NCHW-s2"]).can_subsample
+    assert _geometry(CONFIGS[CHANNELS_FIRST]["NHWC-depthwise-3x3-SAME"]).can_run_channels_first
 
 
 # The copy of the input (or its gradient) cuDNN is given per sample, in float32 bytes: the
 # output's positions (subsampled), or the blocks (C x s x s channels of (Ho + k' - 1) rows and
-# columns, k' the filter's taps in blocks).
+# columns, k' the filter's taps in blocks); on channels-first copies, the input's and the output's.
 COPY_BYTES = {(SUBSAMPLED, "NCHW-s2"): 8 * 5 * 5 * 4,
-              (SPACE_TO_DEPTH, "NCHW-7x7-s2-pad3"): 3 * 4 * (8 + 4 - 1) ** 2 * 4}
+              (SPACE_TO_DEPTH, "NCHW-7x7-s2-pad3"): 3 * 4 * (8 + 4 - 1) ** 2 * 4,
+              (CHANNELS_FIRST, "NHWC-depthwise-3x3-SAME"): (9 * 9 * 6 + 9 * 9 * 6) * 4}
 
 
 @pytest.mark.gpu
@@ -203,7 +224,9 @@ def test_measured_runs_in_other_forms_count_their_copies(machine, kernel, form, 
                                           (SUBSAMPLED, "NHWC-s2-odd-SAME"),
                                           (SPACE_TO_DEPTH, "NCHW-7x7-s2-pad3"),
                                           (SPACE_TO_DEPTH, "NHWC-11x11-s4"),
-                                          (SPACE_TO_DEPTH, "NCHW-3x3-s4-unread")])
+                                          (SPACE_TO_DEPTH, "NCHW-3x3-s4-unread"),
+                                          (CHANNELS_FIRST, "NHWC-depthwise-3x3-SAME"),
+                                          (CHANNELS_FIRST, "NHWC-grouped2-3x3-s2-asymmetric")])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_every_measured_configuration_in_another_form_is_right(machine, gpu_device, kernel, form,
                                                                config, rng):

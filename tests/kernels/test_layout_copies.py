@@ -3,8 +3,8 @@ built here with g++ against the layout, copies each case's tensors to cuDNN's vi
 says (on the host, as the copies' description says and through the GPU copy kernel's own
 per-element code, which must agree) and checks that a naive convolution of that view is the naive
 convolution of the op's tensors, forward and both gradients copied back: inputs in space-to-depth
-blocks, subsampled, padded for asymmetric padding and transposed for float64 channels-last, in both
-layouts. It also runs random copies of every rank (3-D convolutions copy rank 5) through the
+blocks, subsampled, padded for asymmetric padding, transposed for float64 channels-last and in the
+channels-first form, in both layouts. It also runs random copies of every rank (3-D convolutions copy rank 5) through the
 kernel's code against the description, and checks its division by multiply and shift against
 integer division.
 Wrong strides, bounds, block order or kernel index arithmetic show as WRONG lines."""
@@ -41,6 +41,7 @@ def test_the_layouts_copies_give_the_convolution_of_the_ops_tensors(tmp_path):
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and lines[-1] == "all cases right", result.stdout
     cases = lines[:-1]
-    assert len(cases) == 44 and all(line.endswith(" ok") for line in cases)
-    assert {line.split()[0] for line in cases} == {"space_to_depth", "subsampled", "direct"}
+    assert len(cases) == 48 and all(line.endswith(" ok") for line in cases)
+    assert {line.split()[0] for line in cases} == {"space_to_depth", "subsampled", "direct",
+                                                   "channels_first"}
     assert {line.split()[1] for line in cases} == {"NCHW", "NHWC"}

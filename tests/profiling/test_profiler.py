@@ -8,6 +8,7 @@ import tensorflow as tf
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import (
     ALGORITHM_COUNTS,
+    CHANNELS_FIRST,
     DIRECT,
     KERNELS,
     SPACE_TO_DEPTH,
@@ -84,9 +85,14 @@ def test_each_geometry_is_measured_in_the_forms_it_can_take():
     assert profiler.forms_to_measure(GEOMETRY) == (DIRECT,)
     assert profiler.forms_to_measure(strided_1x1) == (DIRECT, SUBSAMPLED)
     assert profiler.forms_to_measure(stem) == (DIRECT, SPACE_TO_DEPTH)
+    depthwise = dataclasses.replace(GEOMETRY, out_channels=8, groups=8)
+    assert profiler.forms_to_measure(depthwise) == (DIRECT,)  # channels-first already
+    assert profiler.forms_to_measure(dataclasses.replace(depthwise, layout="NHWC")) == (
+        DIRECT, CHANNELS_FIRST)
+    assert profiler.forms_to_measure(dataclasses.replace(GEOMETRY, layout="NHWC")) == (DIRECT,)
 
 
-@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH])
+@pytest.mark.parametrize("form", [SUBSAMPLED, SPACE_TO_DEPTH, CHANNELS_FIRST])
 def test_measure_refuses_a_form_the_geometry_cannot_take(form):
     with pytest.raises(ValueError, match=f"not measured in the {form} form"):
         profiler.measure(GEOMETRY, "fwd", [2], profiler.Machine("GPU", 91400), form=form)

@@ -402,6 +402,21 @@ def test_geometries_that_can_run_in_space_to_depth_blocks():
     assert not STRIDED_1X1.can_space_to_depth and not ALEXNET_CONV2.can_space_to_depth
 
 
+def test_geometries_measured_on_channels_first_copies():
+    """Channels-last grouped convolutions: cuDNN's channels-last grouped kernels are its slow
+    ones; its channels-last ungrouped ones are its fast ones."""
+    depthwise = dataclasses.replace(ALEXNET_CONV2, out_channels=96, groups=96, layout="NHWC")
+    assert depthwise.can_run_channels_first
+    assert dataclasses.replace(depthwise, groups=2).can_run_channels_first
+    assert not dataclasses.replace(depthwise, groups=1).can_run_channels_first
+    assert not dataclasses.replace(depthwise, layout="NCHW").can_run_channels_first
+    three_d = ConvGeometry(in_channels=4, out_channels=4, input_dims=(4, 8, 8),
+                           filter_dims=(3, 3, 3), pads=(1, 1, 1), strides=(1, 1, 1),
+                           dilations=(1, 1, 1), dtype="float32", layout="NDHWC", groups=4)
+    assert three_d.can_run_channels_first
+    assert not dataclasses.replace(three_d, layout="NCDHW").can_run_channels_first
+
+
 def test_geometries_that_can_subsample():
     assert STRIDED_1X1.can_subsample
     assert not dataclasses.replace(STRIDED_1X1, strides=(1, 1)).can_subsample

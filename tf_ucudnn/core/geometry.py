@@ -76,6 +76,15 @@ class ConvGeometry:
                 and self.in_channels * self.strides[0] ** 2 <= SPACE_TO_DEPTH_CHANNELS)
 
     @property
+    def can_run_channels_first(self) -> bool:
+        """Whether to measure it on channels-first copies of its tensors (the `channels_first`
+        form): a channels-last grouped convolution. cuDNN's channels-last grouped and depthwise
+        kernels run several times slower than its channels-first ones, by more than the copies
+        cost; its channels-last kernels for ungrouped convolutions are its fast ones, so those are
+        not measured again."""
+        return self.layout[1] != "C" and self.groups > 1
+
+    @property
     def filter_in_channels(self) -> int:
         return self.in_channels // self.groups
 

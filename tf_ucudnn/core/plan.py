@@ -23,6 +23,8 @@ either a legacy algorithm enum or a cuDNN graph-API engine configuration:
                               space-to-depth blocks of the stride (the `space_to_depth` form,
                               for a 2-D convolution of one stride above 1, a filter of more than
                               one tap, no dilation or groups)
+    "algo=0,channels_first=1" ... run on channels-first copies of a channels-last convolution's
+                              tensors (the `channels_first` form)
 
 An engine configuration takes no math mode: the engine decides it. Its knobs are kept sorted by
 name, so that one configuration has one text (the op library writes the same). Which engines and
@@ -60,15 +62,17 @@ MATH_TYPES = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 # Number of legacy algorithms per kernel (cuDNN 9's *_ALGO_COUNT).
 ALGORITHM_COUNTS = {FORWARD: 8, BACKPROP_INPUT: 6, BACKPROP_FILTER: 7}
 
-# How cuDNN is given a convolution (cc/cudnn/layout.h): as it is, or a strided one as a stride-1
-# convolution on a copy of its input's strided samples or of its input in space-to-depth blocks.
+# How cuDNN is given a convolution (cc/cudnn/layout.h): as it is; a strided one as a stride-1
+# convolution on a copy of its input's strided samples or of its input in space-to-depth blocks;
+# or a channels-last one on channels-first copies of its tensors.
 DIRECT = "direct"
 SUBSAMPLED = "subsampled"
 SPACE_TO_DEPTH = "space_to_depth"
-FORMS = (DIRECT, SUBSAMPLED, SPACE_TO_DEPTH)
+CHANNELS_FIRST = "channels_first"
+FORMS = (DIRECT, SUBSAMPLED, SPACE_TO_DEPTH, CHANNELS_FIRST)
 
 _SYNTAX = ("expected 'algo=N[,math=NAME]' or 'engine=N[,knobs=NAME:V/NAME:V...]', either "
-           "followed by ',subsampled=1' or ',space_to_depth=1'")
+           "followed by ',subsampled=1', ',space_to_depth=1' or ',channels_first=1'")
 _KNOB_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 # ASCII digits only, as the op library reads them (Python's int() would also take "1_0").
 _INTEGER = re.compile(r"[+-]?[0-9]+")

@@ -17,7 +17,14 @@ from tqdm.auto import tqdm
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.geometry import ConvGeometry
-from tf_ucudnn.core.plan import DIRECT, KERNELS, SPACE_TO_DEPTH, SUBSAMPLED, Algorithm
+from tf_ucudnn.core.plan import (
+    CHANNELS_FIRST,
+    DIRECT,
+    KERNELS,
+    SPACE_TO_DEPTH,
+    SUBSAMPLED,
+    Algorithm,
+)
 from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, op_library
 from tf_ucudnn.profiling.database import ProfileDatabase
 from tf_ucudnn.profiling.records import (
@@ -126,11 +133,12 @@ def measure(geometry: ConvGeometry, kernel: str, sizes: Sequence[int], machine: 
 
 
 def forms_to_measure(geometry: ConvGeometry) -> tuple[str, ...]:
-    """The forms a convolution's candidates are measured in: as it is, and subsampled or in
-    space-to-depth blocks where it can run so (`ConvGeometry.can_subsample`,
-    `can_space_to_depth`)."""
+    """The forms a convolution's candidates are measured in: as it is, and subsampled, in
+    space-to-depth blocks or on channels-first copies where it can run so and may gain
+    (`ConvGeometry.can_subsample`, `can_space_to_depth`, `can_run_channels_first`)."""
     return (DIRECT, *((SUBSAMPLED,) if geometry.can_subsample else ()),
-            *((SPACE_TO_DEPTH,) if geometry.can_space_to_depth else ()))
+            *((SPACE_TO_DEPTH,) if geometry.can_space_to_depth else ()),
+            *((CHANNELS_FIRST,) if geometry.can_run_channels_first else ()))
 
 
 def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: str,
