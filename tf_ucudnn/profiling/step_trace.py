@@ -206,20 +206,29 @@ def device_timeline(spans: Mapping[str, Span], top: int = 10) -> dict:
     runs beside the kernels, on its own stream."""
     kernels = sorted((span.first_ms, span.last_ms, op) for op, span in spans.items()
                      if not span.copy)
-    idle, busy, gaps = 0.0, 0.0, []
-    reached, before = (kernels[0][0], None) if kernels else (0.0, None)
-    for first, last, op in kernels:
-        if first > reached:
-            idle += first - reached
-            gaps.append({"ms": round(first - reached, 2), "at_ms": round(reached, 2),
-                         "after": before, "before": op})
-        if last > reached:
-            busy += last - max(first, reached)
-            reached, before = last, op
+    busy, gaps = _busy_and_gaps(kernels)
     return {"wall_ms": max((span.last_ms for span in spans.values()), default=0.0),
             "first_kernel_ms": kernels[0][0] if kernels else None,
-            "busy_ms": busy, "idle_ms": idle,
-            "longest_gaps": sorted(gaps, key=lambda gap: -gap["ms"])[:top]}
+            "busy_ms": busy, "idle_ms": sum(gap["ms"] for gap in gaps),
+            "longest_gaps": sorted(({**gap, "ms": round(gap["ms"], 2),
+                                     "at_ms": round(gap["at_ms"], 2)} for gap in gaps),
+                                   key=lambda gap: -gap["ms"])[:top]}
+
+
+def _busy_and_gaps(intervals) -> tuple[float, list[dict]]:
+    """Of (first, last, label) intervals sorted by first: the time at least one ran, and each
+    time between the first and the last when none did ({"ms", "at_ms", "after", "before"}, the
+    labels of the intervals around it)."""
+    busy, gaps = 0.0, []
+    reached, before = (intervals[0][0], None) if intervals else (0.0, None)
+    for first, last, label in intervals:
+        if first > reached:
+            gaps.append({"ms": first - reached, "at_ms": reached, "after": before,
+                         "before": label})
+        if last > reached:
+            busy += last - max(first, reached)
+            reached, before = last, label
+    return busy, gaps
 
 
 def gpu_timeline(spans: Mapping[str, Mapping[str, Span]], top: int = 10) -> dict[str, dict]:
@@ -266,24 +275,17 @@ def gpu_activity(space: xplane_pb2.XSpace) -> dict[str, GpuActivity]:
                 continue
             for event in line.events:
                 name = plane.event_metadata[event.metadata_id].name
-                start_ps = line.timestamp_ns * 1000 + event.offset_ps
-                spans.append((start_ps, start_ps + event.duration_ps))
+                start_ms = (line.timestamp_ns * 1000 + event.offset_ps) / 1e9
+                spans.append((start_ms, start_ms + event.duration_ps / 1e9, name))
                 table = copies if re.search("memcpy|memset", name, re.IGNORECASE) else kernels
                 entry = table.setdefault(name, {"ms": 0.0, "count": 0})
                 entry["ms"] += event.duration_ps / 1e9
                 entry["count"] += 1
         spans.sort()
-        busy_ps, reach = 0, None
-        for start, end in spans:
-            if reach is None or start > reach:
-                busy_ps += end - start
-                reach = end
-            elif end > reach:
-                busy_ps += end - reach
-                reach = end
-        wall_ps = max(end for _, end in spans) - spans[0][0] if spans else 0
-        activity[plane.name] = GpuActivity(wall_ps / 1e9, busy_ps / 1e9,
-                                           _largest_first(kernels), _largest_first(copies))
+        busy_ms, _ = _busy_and_gaps(spans)
+        wall_ms = max(last for _, last, _ in spans) - spans[0][0] if spans else 0.0
+        activity[plane.name] = GpuActivity(wall_ms, busy_ms, _largest_first(kernels),
+                                           _largest_first(copies))
     return activity
 
 
