@@ -56,6 +56,16 @@ const char* FormName(ConvForm form) {
   return "?";
 }
 
+bool FormFromName(absl::string_view name, ConvForm* form) {
+  for (ConvForm candidate : kForms) {
+    if (name == FormName(candidate)) {
+      *form = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
 int AlgorithmCount(ConvKernel kernel) {
   switch (kernel) {
     case ConvKernel::kForward:

@@ -35,6 +35,8 @@ enum class ConvForm : int { kDirect = 0, kSubsampled = 1, kSpaceToDepth = 2, kCh
 // The form's name, as a plan's algorithm text flags it (",subsampled=1", ",space_to_depth=1",
 // ",channels_first=1").
 const char* FormName(ConvForm form);
+// The form named `name` (FormName's inverse); false for no form's name.
+bool FormFromName(absl::string_view name, ConvForm* form);
 
 // A knob of a graph-API engine configuration: its KnobType_t name (SPLIT_K_SLC, ...) and value.
 using EngineKnob = std::pair<std::string, int64_t>;

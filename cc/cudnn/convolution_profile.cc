@@ -84,10 +84,9 @@ absl::Status CudnnConvolution::Profile(const std::vector<int64_t>& sizes, size_t
 }
 
 // The copies a micro-batch of `size` in the layout's form adds to cuDNN's call, as Run makes
-// them: the input's strided samples or blocks gathered, or the input gradient (zeroed where the
-// copy does not cover it) scattered back.
-// The copies a micro-batch of `size` makes in a form: its input's (or, backward, its input
-// gradient's), and where cuDNN's tensors are transposed its output's (or output gradient's) too.
+// them: the input's strided samples, blocks or transposed copy gathered, or the input gradient
+// (zeroed where the copy does not cover it) scattered back; and where cuDNN's tensors are
+// transposed, the output's copy too (or the output gradient's).
 absl::Status CudnnConvolution::TimeFormCopies(int64_t size, void* cudnn_input, void* cudnn_output,
                                               float* time_ms) {
   const absl::Status status = MedianGpuTime(

@@ -16,8 +16,9 @@ namespace tf_ucudnn {
 // a copy of the micro-batch's input. cuDNN's legacy API has no float64 kernels for channels-last
 // layouts (TensorFlow runs those channels-first too), so float64 NHWC/NDHWC micro-batches are
 // transposed on their way in and out; in the channels-first form (ConvForm) any type's are, where
-// cuDNN's channels-first kernels win by more than the copies cost. Dims are in cuDNN's logical order: [N, C, spatial...] for
-// tensors, [K, C / groups, spatial...] for filters (the groups are the convolution descriptor's).
+// cuDNN's channels-first kernels win by more than the copies cost. Dims are in cuDNN's logical
+// order: [N, C, spatial...] for tensors, [K, C / groups, spatial...] for filters (the groups are
+// the convolution descriptor's).
 // No cuDNN header: the copies are checked without one (tests/kernels/test_layout_copies.py).
 //
 // The other forms (ConvForm, CheckForm) give cuDNN a stride-1 convolution in place of a strided

@@ -92,15 +92,16 @@ inline StridedCopy DestinationOrdered(const StridedCopy& copy) {
     return std::abs(copy.dst.strides[a]) > std::abs(copy.dst.strides[b]);
   });
   StridedCopy ordered = copy;
-  for (int d = 0; d < copy.rank; ++d) {
-    ordered.dims[d] = copy.dims[order[d]];
-    for (CopySide* side : {&ordered.src, &ordered.dst}) {
-      const CopySide& source = side == &ordered.src ? copy.src : copy.dst;
-      side->strides[d] = source.strides[order[d]];
-      side->axes[d] = source.axes[order[d]];
-      side->steps[d] = source.steps[order[d]];
+  const auto reorder = [&](const CopySide& from, CopySide& to) {
+    for (int d = 0; d < copy.rank; ++d) {
+      to.strides[d] = from.strides[order[d]];
+      to.axes[d] = from.axes[order[d]];
+      to.steps[d] = from.steps[order[d]];
     }
-  }
+  };
+  for (int d = 0; d < copy.rank; ++d) ordered.dims[d] = copy.dims[order[d]];
+  reorder(copy.src, ordered.src);
+  reorder(copy.dst, ordered.dst);
   return ordered;
 }
 

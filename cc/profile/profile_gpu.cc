@@ -39,10 +39,8 @@ class ProfileConvolutionOp : public tensorflow::OpKernel {
                                           : ProfiledCandidates::kLegacy;
     std::string form;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("form", &form));
-    form_ = form == "subsampled"       ? ConvForm::kSubsampled
-            : form == "space_to_depth" ? ConvForm::kSpaceToDepth
-            : form == "channels_first" ? ConvForm::kChannelsFirst
-                                       : ConvForm::kDirect;
+    OP_REQUIRES(ctx, FormFromName(form, &form_),
+                absl::InvalidArgumentError(absl::StrCat("unknown form '", form, "'")));
     int64_t limit = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("workspace_limit", &limit));
     OP_REQUIRES(ctx, limit >= 0, absl::InvalidArgumentError("workspace_limit must be >= 0"));
