@@ -11,10 +11,6 @@ from tf_ucudnn.core.plan import ALGORITHM_COUNTS, KERNELS
 
 pytestmark = pytest.mark.gpu
 
-# FFT and Winograd algorithms compute in a transformed basis, whose rounding grows with the
-# transform size (Lavin & Gray 2016; cuDNN documents them as less accurate): a wider bound.
-TRANSFORM_ALGORITHMS = {"fwd": {4, 5, 6, 7}, "bwd_data": {2, 3, 4, 5}, "bwd_filter": {2, 4, 5, 6}}
-
 CONFIGS = {
     "NCHW": reference.Conv((5, 3, 9, 10), (3, 3, 3, 4), padding="SAME", data_format="NCHW"),
     "NHWC": reference.Conv((5, 9, 10, 3), (3, 3, 3, 4), padding="SAME", data_format="NHWC"),
@@ -45,8 +41,7 @@ def test_every_algorithm_is_right_or_refused(gpu_device, kernel, config, dtype, 
             refused.append(algo)
             continue
         reference.assert_close(result, expected, scale, dtype, f"{kernel} algorithm {algo}",
-                               roundings=(8 if algo in TRANSFORM_ALGORITHMS[kernel] else 1)
-                               * (2 if kernel == "bwd_filter" else 1))
+                               roundings=reference.algorithm_roundings(kernel, algo))
         ran.append(algo)
     print(f"{kernel} {config} {dtype.name}: ran {ran}, refused {refused}")
     assert ran, f"cuDNN ran no {kernel} algorithm at all for {cfg}"

@@ -245,4 +245,4 @@ def test_every_measured_configuration_in_another_form_is_right(machine, gpu_devi
         with tf.device(gpu_device):
             result = reference.run_kernel(kernel, cfg, x, w, dy, plan)
         reference.assert_close(result, expected, scale, tf.float32, f"{kernel} {algorithm}",
-                               roundings=2 if kernel == "bwd_filter" else 1)
+                               roundings=reference.algorithm_roundings(kernel, algorithm.algo))
