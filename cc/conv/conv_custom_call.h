@@ -8,6 +8,8 @@
 //   sizes       micro-batch sizes, in order
 //   algorithms  each micro-batch's algorithm as plan text, joined by ';': a legacy algorithm with
 //               its math made explicit, or an engine configuration
+//   cudnn_filter_layout  1 where the filter (or the filter gradient) is laid out as cuDNN's
+//               filter is (`filter_minor_to_major`), so the call copies no filter; else 0
 //   op_name     the op and node, for errors and logs
 //
 // Operands: forward (input, filter), backprop input (filter, out_backprop), backprop filter
@@ -33,6 +35,9 @@ struct ConvCustomCall {
   ConvGeometry geometry;
   std::vector<MicroBatch> micro_batches;  // engines, or legacy algorithms with explicit maths
   size_t scratch_bytes = 0;
+  // The filter's layout for XLA as minor-to-major dims of TensorFlow's filter shape, where cuDNN's
+  // filter is a permutation of it; empty: TensorFlow's own layout, copied by the call.
+  std::vector<int64_t> filter_minor_to_major;
   std::string op_name;
 
   // The attributes above as the MLIR dictionary XLA hands a typed FFI handler.
@@ -40,7 +45,8 @@ struct ConvCustomCall {
 };
 
 // Resolves `micro_batches` (their algorithms may be "auto") for a convolution of `dtype` on the
-// current GPU and sizes its scratch memory. Defined only where the cuDNN kernels are built.
+// current GPU, lays its filter out as cuDNN's where it can, and sizes its scratch memory. Defined
+// only where the cuDNN kernels are built.
 absl::Status PlanConvCustomCall(tensorflow::DataType dtype, ConvKernel kernel,
                                 const ConvGeometry& geometry,
                                 const std::vector<MicroBatch>& micro_batches,

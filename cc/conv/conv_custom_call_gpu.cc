@@ -55,8 +55,13 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   std::vector<ResolvedCall> resolved;
   ConvForm form = ConvForm::kDirect;
   TF_RETURN_IF_ERROR(PlanForm(call->geometry, micro_batches, &form));
+  call->filter_minor_to_major =
+      CudnnLayout(call->geometry, type == CUDNN_DATA_DOUBLE, form).FilterMinorToMajor();
+  const FilterLayout filter_layout = call->filter_minor_to_major.empty()
+                                         ? FilterLayout::kTensorFlow
+                                         : FilterLayout::kCudnn;
   TF_RETURN_IF_ERROR(CudnnConvolution(&resources, call->kernel, call->geometry, type,
-                                      ConvBuffers<void>{}, form)
+                                      ConvBuffers<void>{}, form, filter_layout)
                          .Prepare(micro_batches, &resolved, &call->scratch_bytes));
   for (size_t i = 0; i < resolved.size(); ++i) {
     AlgorithmSpec& spec = call->micro_batches[i].algorithm;
@@ -68,9 +73,9 @@ absl::Status Plan(cudnnDataType_t type, const std::vector<MicroBatch>& micro_bat
   return absl::OkStatus();
 }
 
-absl::Status Run(cudaStream_t stream, const ConvCustomCall& call, cudnnDataType_t type,
-                 ffi::AnyBuffer first, ffi::AnyBuffer second, ffi::AnyBuffer result,
-                 ffi::AnyBuffer scratch) {
+absl::Status Run(cudaStream_t stream, const ConvCustomCall& call, FilterLayout filter_layout,
+                 cudnnDataType_t type, ffi::AnyBuffer first, ffi::AnyBuffer second,
+                 ffi::AnyBuffer result, ffi::AnyBuffer scratch) {
   ConvBuffers<void> buffers{};
   switch (call.kernel) {
     case ConvKernel::kForward:
@@ -85,7 +90,7 @@ absl::Status Run(cudaStream_t stream, const ConvCustomCall& call, cudnnDataType_
   }
   ScratchResources resources(stream, scratch.untyped_data(), scratch.size_bytes(), call.op_name);
   return RunConvolution(&resources, call.kernel, call.geometry, call.micro_batches, type,
-                        buffers);
+                        buffers, filter_layout);
 }
 
 ffi::Error ToFfiError(const absl::Status& status) {
@@ -102,7 +107,7 @@ ffi::Error RunCustomCall(cudaStream_t stream, ffi::AnyBuffer first, ffi::AnyBuff
                          ffi::Result<ffi::AnyBuffer> result, ffi::Result<ffi::AnyBuffer> scratch,
                          int64_t kernel, ffi::Span<const int64_t> geometry,
                          ffi::Span<const int64_t> sizes, std::string_view algorithms,
-                         std::string_view op_name) {
+                         int64_t cudnn_filter_layout, std::string_view op_name) {
   ConvCustomCall call;
   call.op_name = std::string(op_name);
   absl::Status status = ConvGeometry::Decode(geometry.begin(), geometry.size(), &call.geometry);
@@ -110,7 +115,8 @@ ffi::Error RunCustomCall(cudaStream_t stream, ffi::AnyBuffer first, ffi::AnyBuff
       algorithms.empty() ? std::vector<std::string>{}
                          : absl::StrSplit(absl::string_view(algorithms.data(), algorithms.size()),
                                           ';');
-  if (kernel < 0 || kernel > 2 || sizes.size() != texts.size()) {
+  if (kernel < 0 || kernel > 2 || sizes.size() != texts.size() || cudnn_filter_layout < 0 ||
+      cudnn_filter_layout > 1) {
     status = absl::InvalidArgumentError("malformed kernel or plan attributes");
   }
   if (status.ok()) {
@@ -124,15 +130,21 @@ ffi::Error RunCustomCall(cudaStream_t stream, ffi::AnyBuffer first, ffi::AnyBuff
     return ToFfiError(absl::Status(status.code(),
                                    absl::StrCat(call.op_name, ": ", status.message())));
   }
+  const FilterLayout layout =
+      cudnn_filter_layout ? FilterLayout::kCudnn : FilterLayout::kTensorFlow;
   switch (first.element_type()) {
     case ffi::DataType::F32:
-      return ToFfiError(Run(stream, call, CUDNN_DATA_FLOAT, first, second, *result, *scratch));
+      return ToFfiError(
+          Run(stream, call, layout, CUDNN_DATA_FLOAT, first, second, *result, *scratch));
     case ffi::DataType::F16:
-      return ToFfiError(Run(stream, call, CUDNN_DATA_HALF, first, second, *result, *scratch));
+      return ToFfiError(
+          Run(stream, call, layout, CUDNN_DATA_HALF, first, second, *result, *scratch));
     case ffi::DataType::BF16:
-      return ToFfiError(Run(stream, call, CUDNN_DATA_BFLOAT16, first, second, *result, *scratch));
+      return ToFfiError(
+          Run(stream, call, layout, CUDNN_DATA_BFLOAT16, first, second, *result, *scratch));
     case ffi::DataType::F64:
-      return ToFfiError(Run(stream, call, CUDNN_DATA_DOUBLE, first, second, *result, *scratch));
+      return ToFfiError(
+          Run(stream, call, layout, CUDNN_DATA_DOUBLE, first, second, *result, *scratch));
     default:
       return ToFfiError(
           absl::InvalidArgumentError(absl::StrCat(call.op_name, ": unsupported data type")));
@@ -174,6 +186,7 @@ XLA_FFI_DEFINE_HANDLER(kConvCustomCallHandler, RunCustomCall,
                            .Attr<ffi::Span<const int64_t>>("geometry")
                            .Attr<ffi::Span<const int64_t>>("sizes")
                            .Attr<std::string_view>("algorithms")
+                           .Attr<int64_t>("cudnn_filter_layout")
                            .Attr<std::string_view>("op_name"));
 
 XLA_FFI_REGISTER_HANDLER(ffi::GetXlaFfiApi(), kConvCustomCallTarget, "CUDA",

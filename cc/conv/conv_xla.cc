@@ -174,15 +174,24 @@ class UcudnnConvXlaOp : public tensorflow::XlaOpKernel {
         : kKernel == ConvKernel::kBackpropInput ? std::vector<int>{1, 2}
                                                 : std::vector<int>{0, 2};
     const xla::PrimitiveType element = ctx->input_xla_type(kTypedInput);
+    // The filter, operand or result, as cuDNN's filter is laid out where it can be: XLA makes
+    // that copy itself, beside the ops around the call, and shares it between the forward pass
+    // and the input gradient. Every other tensor is row-major, as TensorFlow's.
+    auto shape_of = [&](const std::vector<int64_t>& dims, bool filter) {
+      return filter && !call.filter_minor_to_major.empty()
+                 ? xla::ShapeUtil::MakeShapeWithDenseLayout(element, dims,
+                                                            call.filter_minor_to_major)
+                 : xla::ShapeUtil::MakeShapeWithDescendingLayout(element, dims);
+    };
     std::vector<xla::XlaOp> operand_ops;
     std::vector<xla::Shape> operand_shapes;
     for (int index : operands) {
       operand_ops.push_back(ctx->Input(index));
-      operand_shapes.push_back(
-          xla::ShapeUtil::MakeShapeWithDescendingLayout(element, Dims(ctx->InputShape(index))));
+      // Input 1 is the filter of the forward pass and of the input gradient.
+      operand_shapes.push_back(shape_of(Dims(ctx->InputShape(index)), /*filter=*/index == 1));
     }
     const xla::Shape result_shape = xla::ShapeUtil::MakeTupleShape(
-        {xla::ShapeUtil::MakeShapeWithDescendingLayout(element, g.ResultShape(kKernel)),
+        {shape_of(g.ResultShape(kKernel), /*filter=*/kKernel == ConvKernel::kBackpropFilter),
          xla::ShapeUtil::MakeShapeWithDescendingLayout(
              xla::U8, {static_cast<int64_t>(call.scratch_bytes)})});
     xla::XlaOp results = xla::CustomCallWithLayout(
@@ -232,7 +241,8 @@ std::string ConvCustomCall::BackendConfig() const {
   return absl::StrCat("{kernel = ", static_cast<int>(kernel), " : i64, geometry = ",
                       MlirArray(geometry.Encode()), ", sizes = ", MlirArray(sizes),
                       ", algorithms = ", MlirString(absl::StrJoin(algorithms, ";")),
-                      ", op_name = ", MlirString(op_name), "}");
+                      ", cudnn_filter_layout = ", filter_minor_to_major.empty() ? 0 : 1,
+                      " : i64, op_name = ", MlirString(op_name), "}");
 }
 
 }  // namespace tf_ucudnn

@@ -17,12 +17,14 @@ namespace tf_ucudnn {
 
 CudnnConvolution::CudnnConvolution(ConvResources* resources, ConvKernel kernel,
                                    const ConvGeometry& g, cudnnDataType_t type,
-                                   ConvBuffers<void> buffers, ConvForm form)
+                                   ConvBuffers<void> buffers, ConvForm form,
+                                   FilterLayout filter_layout)
     : resources_(resources),
       kernel_(kernel),
       g_(g),
       type_(type),
       layout_(g, type == CUDNN_DATA_DOUBLE, form),
+      filter_layout_(filter_layout),
       buffers_(buffers) {}
 
 absl::Status CudnnConvolution::Prepare(const std::vector<MicroBatch>& micro_batches,
@@ -41,13 +43,15 @@ absl::Status CudnnConvolution::Run(const std::vector<MicroBatch>& micro_batches)
   size_t workspace_bytes = 0;
   TF_RETURN_IF_ERROR(ResolveAll(&calls, &workspace_bytes));
   TF_RETURN_IF_ERROR(AllocateBuffers(workspace_bytes));
-  if (kernel_ != ConvKernel::kBackpropFilter) {
+  const bool copies_filter = filter_layout_ == FilterLayout::kTensorFlow;
+  if (!copies_filter) cudnn_filter_ = buffers_.filter;
+  if (copies_filter && kernel_ != ConvKernel::kBackpropFilter) {
     TF_RETURN_IF_ERROR(Copy(layout_.FilterToCudnn(), buffers_.filter, cudnn_filter_));
   }
   for (size_t i = 0; i < micro_batches_.size(); ++i) {
     TF_RETURN_IF_ERROR(Execute(i, calls[i]));
   }
-  if (kernel_ == ConvKernel::kBackpropFilter) {
+  if (copies_filter && kernel_ == ConvKernel::kBackpropFilter) {
     TF_RETURN_IF_ERROR(Copy(layout_.FilterFromCudnn(), cudnn_filter_, buffers_.filter));
   }
   return absl::OkStatus();
@@ -94,6 +98,11 @@ absl::Status CudnnConvolution::CheckForm() const {
 absl::Status CudnnConvolution::ResolveAll(std::vector<ResolvedCall>* calls,
                                           size_t* workspace_bytes) {
   TF_RETURN_IF_ERROR(CheckForm());
+  if (filter_layout_ == FilterLayout::kCudnn && layout_.FilterMinorToMajor().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a filter in cuDNN's layout cannot run ", FormName(layout_.form()),
+        ": cuDNN's filter there is not a permutation of TensorFlow's"));
+  }
   TF_RETURN_IF_ERROR(Begin());
   calls->clear();
   *workspace_bytes = 0;
@@ -116,13 +125,15 @@ absl::Status CudnnConvolution::ZeroResultOfEmptyBatch() {
   return absl::OkStatus();
 }
 
-// Bytes of the workspace, cuDNN's copy of the filter, its copy of the input (padded, transposed or
-// in another form), the transposed output, in the order AllocateBuffers takes them.
+// Bytes of the workspace, cuDNN's copy of the filter (none where the op's is in cuDNN's layout),
+// its copy of the input (padded, transposed or in another form), the transposed output, in the
+// order AllocateBuffers takes them.
 std::vector<size_t> CudnnConvolution::BufferSizes(size_t workspace_bytes) const {
   int64_t largest = 0;
   for (const MicroBatch& mb : micro_batches_) largest = std::max(largest, mb.size);
   const size_t element = ElementSize(type_);
-  return {workspace_bytes, layout_.FilterElements() * element,
+  const bool copies_filter = filter_layout_ == FilterLayout::kTensorFlow;
+  return {workspace_bytes, copies_filter ? layout_.FilterElements() * element : 0,
           layout_.needs_input_copy() ? largest * layout_.PaddedInputSampleSize() * element : 0,
           layout_.transposed() ? largest * g_.OutputSampleSize() * element : 0,
           AccumulatesEngineFilters() ? layout_.FilterElements() * element : 0};
@@ -299,7 +310,7 @@ std::string CudnnConvolution::AlgorithmText(int algo) const {
 absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
                             const ConvGeometry& geometry,
                             const std::vector<MicroBatch>& micro_batches, cudnnDataType_t type,
-                            ConvBuffers<void> buffers) {
+                            ConvBuffers<void> buffers, FilterLayout filter_layout) {
   // Zero-sized dims leave nothing for cuDNN to compute; the result is zeros (or empty).
   if (geometry.FilterSize() == 0 || geometry.InputSampleSize() == 0 ||
       geometry.OutputSampleSize() == 0) {
@@ -319,7 +330,8 @@ absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
   }
   ConvForm form = ConvForm::kDirect;
   TF_RETURN_IF_ERROR(PlanForm(geometry, micro_batches, &form));
-  return CudnnConvolution(resources, kernel, geometry, type, buffers, form).Run(micro_batches);
+  return CudnnConvolution(resources, kernel, geometry, type, buffers, form, filter_layout)
+      .Run(micro_batches);
 }
 
 }  // namespace tf_ucudnn

@@ -33,6 +33,11 @@ struct ResolvedCall {
   size_t workspace = 0;
 };
 
+// Where a convolution's filter (or filter gradient) lives: in TensorFlow's layout, copied to and
+// from cuDNN's around the calls, or already in cuDNN's, as an XLA custom call's operand laid out
+// by CudnnLayout::FilterMinorToMajor (XLA then makes the copy, next to the ops around it).
+enum class FilterLayout { kTensorFlow, kCudnn };
+
 // Which candidates Profile times: the legacy algorithms (cudnnFind*AlgorithmEx) or the
 // graph-API engine configurations cuDNN's heuristics offer (each timed with events).
 enum class ProfiledCandidates { kLegacy, kEngines };
@@ -50,10 +55,12 @@ class CudnnConvolution {
  public:
   // `buffers` are the op's tensors, of `type` elements; Run writes the one its kernel computes,
   // Profile none. `g` must outlive the convolution. It runs in one `form` (CudnnLayout): only
-  // micro-batches planned in it, and profiles in it.
+  // micro-batches planned in it, and profiles in it. Its filter is in `filter_layout` (Profile
+  // takes TensorFlow's).
   CudnnConvolution(ConvResources* resources, ConvKernel kernel, const ConvGeometry& g,
                    cudnnDataType_t type, ConvBuffers<void> buffers,
-                   ConvForm form = ConvForm::kDirect);
+                   ConvForm form = ConvForm::kDirect,
+                   FilterLayout filter_layout = FilterLayout::kTensorFlow);
 
   // Resolves each micro-batch's call (its algorithm made explicit) and the device memory the
   // calls need together, without running anything: an XLA custom call is sized this way when it
@@ -124,6 +131,7 @@ class CudnnConvolution {
   const ConvGeometry& g_;
   const cudnnDataType_t type_;
   const CudnnLayout layout_;
+  const FilterLayout filter_layout_;
   ConvBuffers<void> buffers_;
   std::vector<MicroBatch> micro_batches_;
   cudaStream_t stream_ = nullptr;
@@ -135,7 +143,7 @@ class CudnnConvolution {
   std::map<int64_t, std::unique_ptr<SizeDescriptors>> descriptors_;
   // Device memory from the resources, in the order BufferSizes gives them.
   void* workspace_ = nullptr;
-  void* cudnn_filter_ = nullptr;
+  void* cudnn_filter_ = nullptr;  // the op's own filter where it is in cuDNN's layout
   void* cudnn_input_ = nullptr;   // padded, transposed or in another form
   void* cudnn_output_ = nullptr;  // transposed
   // A micro-batch's filter gradient from an engine, which overwrites its output, before it is
@@ -152,7 +160,8 @@ EngineProblem EngineProblemOf(ConvKernel kernel, const ConvGeometry& g, const Cu
 absl::Status RunConvolution(ConvResources* resources, ConvKernel kernel,
                             const ConvGeometry& geometry,
                             const std::vector<MicroBatch>& micro_batches, cudnnDataType_t type,
-                            ConvBuffers<void> buffers);
+                            ConvBuffers<void> buffers,
+                            FilterLayout filter_layout = FilterLayout::kTensorFlow);
 
 }  // namespace tf_ucudnn
 

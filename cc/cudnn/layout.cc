@@ -193,6 +193,19 @@ StridedCopy CudnnLayout::FilterFromCudnn() const {
                   std::vector<int64_t>(dims.size(), 0));
 }
 
+std::vector<int64_t> CudnnLayout::FilterMinorToMajor() const {
+  if (form_ == ConvForm::kSpaceToDepth) return {};
+  // TensorFlow's dims: spatial 0..nd-1, C / groups at nd, K at nd + 1. cuDNN's filter is
+  // [K, spatial..., C] channels-last and [K, C, spatial...] otherwise, K outermost in both.
+  const int64_t nd = g_.num_spatial_dims();
+  std::vector<int64_t> minor_to_major;
+  if (channels_last_) minor_to_major.push_back(nd);
+  for (int64_t d = nd - 1; d >= 0; --d) minor_to_major.push_back(d);
+  if (!channels_last_) minor_to_major.push_back(nd);
+  minor_to_major.push_back(nd + 1);
+  return minor_to_major;
+}
+
 // `start` is where the destination's origin lies in the source.
 StridedCopy CudnnLayout::InputCopy(int64_t size, bool to_cudnn) const {
   if (form_ == ConvForm::kSpaceToDepth) return BlockedInputCopy(size, to_cudnn);

@@ -54,6 +54,10 @@ class CudnnLayout {
   // Between TensorFlow's filter layout [spatial..., C / groups, K] and cuDNN's.
   StridedCopy FilterToCudnn() const;
   StridedCopy FilterFromCudnn() const;
+  // XLA's minor-to-major order for a filter of TensorFlow's dims [spatial..., C / groups, K]
+  // stored as cuDNN's filter is, so that XLA, which lays out the operand, makes the copy; empty
+  // where cuDNN's filter is not a permutation of TensorFlow's (space-to-depth blocks).
+  std::vector<int64_t> FilterMinorToMajor() const;
   // Between a micro-batch of the op's input and cuDNN's copy of it (padded, subsampled or in
   // blocks, maybe transposed). From cuDNN's copy it writes the elements the copy holds only.
   StridedCopy InputCopy(int64_t size, bool to_cudnn) const;

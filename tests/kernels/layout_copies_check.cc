@@ -194,16 +194,39 @@ bool Check(ConvForm form, bool channels_last, bool float64, int64_t n, int64_t c
   Naive(Kernel::kBackpropFilter, Xc, xc.data(), Wc, dwc.data(), Yc, dyc.data(), cudnn);
   HostCopy(layout.FilterFromCudnn(), dwc.data(), dw_back);
 
+  // The filter as XLA would lay it out for the custom call (FilterMinorToMajor): exactly
+  // cuDNN's filter, element for element; no such order for a filter in blocks.
+  const std::vector<int64_t> minor_to_major = layout.FilterMinorToMajor();
+  bool filter_order = minor_to_major.empty() == (form == ConvForm::kSpaceToDepth);
+  if (!minor_to_major.empty()) {
+    const int64_t dims[4] = {kh, kw, c, k};  // TensorFlow's [R, S, C, K]
+    int64_t strides[4], stride = 1;
+    for (int64_t d : minor_to_major) {
+      strides[d] = stride;
+      stride *= dims[d];
+    }
+    std::vector<float> laid_out(W.Size(), 9.f);
+    for (int64_t r = 0; r < kh; ++r)
+      for (int64_t s = 0; s < kw; ++s)
+        for (int64_t i = 0; i < c; ++i)
+          for (int64_t o = 0; o < k; ++o)
+            laid_out[r * strides[0] + s * strides[1] + i * strides[2] + o * strides[3]] =
+                wt[W.At(o, i, r, s)];
+    filter_order = laid_out == wc;
+  }
+
   const double forward = MaxDifference(y, y_back), data = MaxDifference(dx, dx_back),
                filter = MaxDifference(dw, dw_back);
-  const bool same = forward < 1e-3 && data < 1e-3 && filter < 1e-3 && kernel_mismatches == 0;
+  const bool same = forward < 1e-3 && data < 1e-3 && filter < 1e-3 && kernel_mismatches == 0 &&
+                    filter_order;
   std::printf("%s %s %s n%lld c%lld %lldx%lld k%lld filter %lldx%lld stride %lld pad %lld,%lld,"
               "%lld,%lld: forward %.1e, input gradient %.1e, filter gradient %.1e, kernel's copies "
-              "differing %d %s\n",
+              "differing %d, filter order for XLA %s %s\n",
               Name(form), channels_last ? "NHWC" : "NCHW", float64 ? "float64" : "float32",
               (long long)n, (long long)c, (long long)h, (long long)w, (long long)k, (long long)kh,
               (long long)kw, (long long)stride, (long long)top, (long long)bottom,
               (long long)left, (long long)right, forward, data, filter, kernel_mismatches,
+              minor_to_major.empty() ? "none" : filter_order ? "right" : "wrong",
               same ? "ok" : "WRONG");
   return same;
 }

@@ -4,9 +4,10 @@ says (on the host, as the copies' description says and through the GPU copy kern
 per-element code, which must agree) and checks that a naive convolution of that view is the naive
 convolution of the op's tensors, forward and both gradients copied back: inputs in space-to-depth
 blocks, subsampled, padded for asymmetric padding, transposed for float64 channels-last and in the
-channels-first form, in both layouts. It also runs random copies of every rank (3-D convolutions
-copy rank 5) through the kernel's code against the description, and checks its division by
-multiply and shift against integer division.
+channels-first form, in both layouts, and that XLA's order for the filter operand
+(FilterMinorToMajor) lays it out as cuDNN's copy. It also runs random copies of every rank (3-D
+convolutions copy rank 5) through the kernel's code against the description, and checks its
+division by multiply and shift against integer division.
 Wrong strides, bounds, block order or kernel index arithmetic show as WRONG lines."""
 
 import os

@@ -123,6 +123,10 @@ def test_gpu_compiles_a_plan_to_one_custom_call(gpu_device, rng):
     assert len(calls) == 3, hlo
     assert " convolution(" not in hlo
     assert "sizes = array<i64: 2, 4>" in hlo and "sizes = array<i64: 3, 3>" in hlo
+    # The filter of the forward pass and of the input gradient, and the filter gradient, laid
+    # out as cuDNN's NHWC filter (KRSC): XLA copies it, the calls do not.
+    assert hlo.count("cudnn_filter_layout = 1") == 3, hlo
+    assert hlo.count("f32[3,3,3,4]{2,1,0,3}") >= 3, hlo
 
 
 def test_batch_norm_compiled_matches_the_op(device, rng):
