@@ -1,4 +1,4 @@
-"""Training batch normalization on a channels-last float32 activation, four ways, forward and
+"""Training batch normalization on a channels-last float32 activation, five ways, forward and
 backward: time per step and the GPU memory held beyond the input, side by side in one run.
 
     python benchmarks/batch_norm_kernels.py --shape 192 56 56 256 --out $OUT/bn.json
@@ -10,18 +10,18 @@ backward: time per step and the GPU memory held beyond the input, side by side i
   cuDNN is slow on that shape (ResNet-50's step at batch 192 on the H100: 128.3 img/s, against
   1604.8 with the transposes, both with Grappler's layout optimizer).
 - xla: tf_ucudnn.keras.batch_norm_forms's "xla" kernel: the moments, the normalization and the
-  written-out gradient, each way one XLA computation over the channels-last input.
+  written-out gradient, each way one XLA computation over the channels-last input (its
+  statistics summed in one read).
 - ucudnn: its "ucudnn" kernel, tf_ucudnn's own op: cuDNN's batch normalization on the NHWC
   descriptor (persistent spatial mode), one call each way.
 - keras: Keras's own BatchNormalization layer in training, its gradient by autodiff.
-- xla_one_pass: the "xla" kernel with the mean and the mean of squares summed in one pass.
 
 With `--jit-compile` each step is one XLA computation, as in Keras's default training step on a
 GPU: Keras's layer, the "xla" kernel and FusedBatchNormV3 (XLA's batch-norm-training op there)
 side by side say whether a written-out gradient beats XLA's fusions of the autodiff one.
 
     python benchmarks/batch_norm_kernels.py --jit-compile \\
-        --variants keras xla xla_one_pass fused_nhwc --out $OUT/bnx.json
+        --variants keras xla fused_nhwc --out $OUT/bnx.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tf_ucudnn.keras.batch_norm_forms import KERNELS, MIN_EPSILON, xla_backward
+from tf_ucudnn.keras.batch_norm_forms import KERNELS, MIN_EPSILON
 
 
 def fused_nhwc(x, scale, offset):
@@ -57,26 +57,6 @@ def ucudnn(x, scale, offset):
     return KERNELS["ucudnn"](x, scale, offset, MIN_EPSILON)[0]
 
 
-@tf.function(jit_compile=True, autograph=False)
-def _one_pass_forward(x, scale, offset):
-    axes = list(range(len(x.shape) - 1))
-    # Both sums in one read of x (XLA fuses the two reductions); fp32 keeps E[x^2] - E[x]^2
-    # accurate where the mean is not far larger than the spread.
-    mean, mean_of_squares = tf.reduce_mean(x, axes), tf.reduce_mean(tf.square(x), axes)
-    inv_std = tf.math.rsqrt(tf.maximum(mean_of_squares - tf.square(mean), 0.0) + MIN_EPSILON)
-    return (x - mean) * (inv_std * scale) + offset, mean, inv_std
-
-
-def xla_one_pass(x, scale, offset):
-    """The "xla" kernel with its statistics summed in one pass over x, not two."""
-
-    @tf.custom_gradient
-    def normalize(x, scale, offset):
-        y, mean, inv_std = _one_pass_forward(x, scale, offset)
-        return y, lambda dy: xla_backward(dy, x, mean, inv_std, scale)
-    return normalize(x, scale, offset)
-
-
 def keras_layer(x, scale, offset):
     layer = keras.layers.BatchNormalization(epsilon=MIN_EPSILON)
     layer.build(x.shape)
@@ -93,7 +73,7 @@ def _ops(normalization):
 # Each variant's builder: called once with the step's tensors, it returns the normalization and
 # the scale and offset to differentiate (a Keras layer's are its variables).
 VARIANTS = {"fused_nhwc": _ops(fused_nhwc), "fused_rows": _ops(fused_rows), "xla": _ops(xla),
-            "ucudnn": _ops(ucudnn), "keras": keras_layer, "xla_one_pass": _ops(xla_one_pass)}
+            "ucudnn": _ops(ucudnn), "keras": keras_layer}
 
 
 def measure(name: str, shape, steps: int, jit_compile: bool = False) -> dict:

@@ -174,9 +174,10 @@ def _train(name: str, args) -> dict:
             layer_planner = DatabasePlanner.open(args.callback, args.database,
                                                  compare_with_xla=True,
                                                  xla_margin=args.xla_margin)
+        fuse_batch_norm = {"keras": False}.get(args.fuse_batch_norm, args.fuse_batch_norm)
         planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner,
                                                database=args.database, profiles=args.profiles,
-                                               fuse_batch_norm=args.fuse_batch_norm or False,
+                                               fuse_batch_norm=fuse_batch_norm,
                                                trial_steps=args.trial_steps)
         callbacks.insert(0, planner)
     try:
@@ -318,8 +319,10 @@ def main():
     one.add_argument("--xla-margin", type=float,
                      help="with --callback: how much faster than XLA's convolution a plan must "
                           "be predicted (the callback's own: 0.1)")
-    one.add_argument("--fuse-batch-norm", choices=sorted(KERNELS),
-                     help="with --callback: the batch normalization form it trains with")
+    one.add_argument("--fuse-batch-norm", choices=[*sorted(KERNELS), "keras"],
+                     help="with --callback: the batch normalization kernel it trains with from "
+                          "the first step, or keras for Keras's own (unset: its step trial "
+                          "decides)")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],

@@ -10,7 +10,9 @@
 #   tf_ucudnn_64mib_noxla  the same with XLA off and TF_CUDNN_WORKSPACE_LIMIT_IN_MB=64 (the layers
 #                     the callback leaves to TensorFlow held to the limit too)
 #   tf_ucudnn_64mib_bn_xla  (only when named) the callback with fuse_batch_norm="xla": batch
-#                     normalization with its gradient written out, inside Keras's XLA step
+#                     normalization with its gradient written out, inside Keras's XLA step,
+#                     from the first step (the callback alone tries it in its step trial)
+#   tf_ucudnn_64mib_bn_keras  (only when named) the callback with Keras's batch normalization
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
@@ -54,6 +56,7 @@ configurations() {
         tf_ucudnn_64mib) limit= options=(--callback 64MiB) ;;
         tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
         tf_ucudnn_64mib_bn_xla) limit= options=(--callback 64MiB --fuse-batch-norm xla) ;;
+        tf_ucudnn_64mib_bn_keras) limit= options=(--callback 64MiB --fuse-batch-norm keras) ;;
         *) echo "unknown configuration $config"; exit 2 ;;
       esac
       env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} \

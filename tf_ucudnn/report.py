@@ -72,6 +72,9 @@ class RewriteReport:
     memory_workspaces: Optional[object] = None
     # A tf_ucudnn.keras.callback.StepTrial: the training step timed with the plans and without.
     trial: Optional[object] = None
+    # The kernel the callback's step trains batch normalization with ("cudnn", "xla", "ucudnn"),
+    # or None for Keras's own.
+    batch_norm_kernel: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
@@ -83,7 +86,8 @@ class RewriteReport:
                 "memory_prefix": self.memory_prefix.to_json() if self.memory_prefix else None,
                 "memory_workspaces": (self.memory_workspaces.to_json()
                                       if self.memory_workspaces else None),
-                "trial": self.trial.to_json() if self.trial else None}
+                "trial": self.trial.to_json() if self.trial else None,
+                "batch_norm_kernel": self.batch_norm_kernel}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -110,6 +114,9 @@ class RewriteReport:
             lines.append(self.memory_prefix.to_text())
         if self.memory_workspaces:
             lines.append(self.memory_workspaces.to_text())
+        if self.batch_norm_kernel:
+            lines.append(f"  batch normalization trained with the {self.batch_norm_kernel!r} "
+                         f"kernel")
         if self.trial:
             lines.append(self.trial.to_text())
         return "\n".join(lines)

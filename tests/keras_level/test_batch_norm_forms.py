@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, unfusable_because
+from tf_ucudnn.keras.batch_norm_forms import (KERNELS, MIN_EPSILON, fused_batch_norm,
+                                              unfusable_because)
 from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.memory import analyze
 
@@ -63,6 +64,21 @@ def test_fused_training_matches_keras(shape, conv, options, kernel):
     # The step did update them (from zeros and ones).
     assert not np.allclose(normalization[1].moving_mean, 0.0)
     assert not np.allclose(normalization[1].moving_variance, 1.0)
+
+
+def test_xla_statistics_stay_accurate_far_from_zero():
+    """The "xla" kernel sums x and x^2 in one read, about one sample per channel: a mean 2000
+    spreads larger than its deviation loses nothing a float64 reference sees (unshifted, float32's
+    E[x^2] - E[x]^2 would lose all of the variance 1e-2 here)."""
+    rng = np.random.default_rng(5)
+    x = 2000.0 + 0.1 * rng.standard_normal((8, 5, 5, 3))
+    y, mean, variance = KERNELS["xla"](tf.constant(x, tf.float32), tf.ones([3]), tf.zeros([3]),
+                                       MIN_EPSILON)
+    x32 = x.astype(np.float32).astype(np.float64)  # what the kernel was given
+    np.testing.assert_allclose(mean, x32.mean(axis=(0, 1, 2)), rtol=1e-7)
+    np.testing.assert_allclose(variance, x32.var(axis=(0, 1, 2)), rtol=2e-3)
+    expected = (x32 - x32.mean(axis=(0, 1, 2))) / np.sqrt(x32.var(axis=(0, 1, 2)) + MIN_EPSILON)
+    np.testing.assert_allclose(y, expected, atol=2e-3)
 
 
 def test_inference_and_restoring_leave_keras_behaviour():

@@ -472,8 +472,9 @@ def test_fused_batch_norm_trains_to_the_same_weights_and_is_undone_after(kernel,
     assert op_type in seen["types"]
     assert callback.unfused_batch_norm == []
     name = "cudnn" if kernel is True else kernel
-    assert f"batch normalization trained as fused kernels ({name}); 0 layer(s)" in \
-        callback.summary()
+    assert f"batch normalization trained with the {name!r} kernel" in callback.summary()
+    assert callback.report.batch_norm_kernel == name
+    assert "0 batch normalization layer(s) left unfused" in callback.summary()
     normalization = [layer for layer in fused.layers
                      if isinstance(layer, keras.layers.BatchNormalization)]
     assert normalization and all("call" not in vars(layer) for layer in normalization)
@@ -546,6 +547,60 @@ def test_the_step_trial_keeps_the_faster_step(monkeypatch, planned_ms, unplanned
         assert len(measured) == 3
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class _BatchNormProbe(keras.callbacks.Callback):
+    """Notes at each step end whether the model's batch normalization layers are switched."""
+
+    def __init__(self):
+        super().__init__()
+        self.switched = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.switched.append(all("call" in vars(layer) for layer in self.model.layers
+                                 if isinstance(layer, keras.layers.BatchNormalization)))
+
+
+@pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
+    (5.0, 10.0, "plans"),
+    (10.0, 5.0, "XLA's own convolutions and Keras's batch normalization")])
+def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, planned_ms, unplanned_ms,
+                                                        kept):
+    """With fuse_batch_norm left to it, the callback's step trains batch normalization with the
+    "xla" kernel, even where no convolution is planned, and keeps it only if the trial does."""
+    import tf_ucudnn.keras.callback as callback_module
+    monkeypatch.setattr(callback_module, "time",
+                        _FakeClock([1.0, 1.0] + [planned_ms / 1e3, unplanned_ms / 1e3] * 2))
+    plain, plain_history = _fit(_resnet_style, [], jit_compile=True)
+    callback = MicroBatchCallback(planner=lambda layer: "XLA's own is faster", trial_steps=2,
+                                  verbose=0)
+    probe = _BatchNormProbe()
+    model, history = _fit(_resnet_style, [callback, probe], jit_compile=True)
+    report = callback.report
+    assert not report.layers and report.trial.kept == kept
+    assert report.trial.own == "XLA's own convolutions and Keras's batch normalization"
+    # Switched when planned, after the first step, through the trial's 2 + 2 * 2 steps; then as
+    # the trial decided, for the 3 steps an epoch left.
+    assert len(probe.switched) == 9 and all(probe.switched[:6])
+    assert all(probe.switched[6:]) if kept == "plans" else not any(probe.switched[6:])
+    assert report.batch_norm_kernel == ("xla" if kept == "plans" else None)
+    assert report.to_json()["batch_norm_kernel"] == report.batch_norm_kernel
+    assert all("call" not in vars(layer) for layer in model.layers)  # undone after training
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"fuse_batch_norm": False}, {"trial_steps": 0}])
+def test_batch_norm_is_left_to_keras_when_asked_or_untimed(options):
+    """fuse_batch_norm=False keeps Keras's normalization, and so does a callback that times no
+    trial: nothing unplanned then goes untimed into the step."""
+    callback = MicroBatchCallback(planner=lambda layer: "XLA's own is faster", verbose=0,
+                                  **options)
+    probe = _BatchNormProbe()
+    _fit(_resnet_style, [callback, probe], epochs=2, jit_compile=True)
+    assert not any(probe.switched)
+    assert callback.report.trial is None and callback.report.batch_norm_kernel is None
 
 
 def test_the_step_trial_takes_turns(monkeypatch):

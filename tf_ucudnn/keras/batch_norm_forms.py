@@ -13,7 +13,7 @@ them). Keras's ops hold about as much: the liveness analysis predicts about the 
 either.
 
 Kernels: "cudnn", TensorFlow's FusedBatchNormV3; "xla", the same arithmetic as one XLA
-computation each way on the input as it is; "ucudnn", tf_ucudnn's own op (`ops.batch_norm`),
+computation each way on the input as it is, its statistics summed in one read of the input; "ucudnn", tf_ucudnn's own op (`ops.batch_norm`),
 cuDNN's batch normalization on an NHWC descriptor, without the copies.
 
 `fused_batch_norm(model, kernel)` switches a model's BatchNormalization layers while a training
@@ -78,9 +78,15 @@ def cudnn_normalization(x, scale, offset, epsilon):
 
 @tf.function(jit_compile=True, autograph=False)
 def xla_forward(x, scale, offset, epsilon):
+    """The normalization and its statistics, both sums over x in one read (Keras's moments read
+    it twice: the mean, then the squares about it). The sums are about one sample of each
+    channel, a shift near the mean, so that E[d^2] - E[d]^2 cancels little in float32."""
     axes = list(range(len(x.shape) - 1))
-    mean = tf.reduce_mean(x, axes)
-    variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axes)
+    shift = tf.stop_gradient(x[(0,) * len(axes)])
+    shifted = x - shift
+    shifted_mean = tf.reduce_mean(shifted, axes)
+    variance = tf.maximum(tf.reduce_mean(tf.square(shifted), axes) - tf.square(shifted_mean), 0.0)
+    mean = shifted_mean + shift
     inv_std = tf.math.rsqrt(variance + epsilon)
     return (x - mean) * (inv_std * scale) + offset, mean, variance, inv_std
 
@@ -171,7 +177,8 @@ def update_moving_statistics(layer: keras.layers.BatchNormalization, mean, varia
                       + tf.cast(batch, moving.dtype) * (1.0 - layer.momentum))
 
 
-def _batch_norm_layers(model: keras.Model) -> list:
+def batch_norm_layers(model: keras.Model) -> list:
+    """The model's BatchNormalization layers, nested ones included."""
     return [layer for layer in model._flatten_layers(include_self=False)
             if isinstance(layer, keras.layers.BatchNormalization)]
 
@@ -183,7 +190,7 @@ def fused_batch_norm(model: keras.Model, kernel: str = "cudnn") -> Iterator[list
     shape), with the reason."""
     normalization = KERNELS[kernel_name(kernel)]
     switched, left_alone = [], []
-    for layer in _batch_norm_layers(model):
+    for layer in batch_norm_layers(model):
         shape = getattr(layer, "_build_shapes_dict", None) or {}
         rank = len(next(iter(shape.values()))) if shape else None
         reason = unfusable_because(layer, rank) if rank is not None else None

@@ -44,7 +44,7 @@ from tf_ucudnn.keras.accumulated_step import (
     plan_accumulation,
     train_first_batch,
 )
-from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
+from tf_ucudnn.keras.batch_norm_forms import batch_norm_layers, fused_batch_norm, kernel_name
 from tf_ucudnn.keras.layers import (
     check_keras_convolution,
     conv_filter,
@@ -84,6 +84,9 @@ from tf_ucudnn.report import (
 # How much faster the step trial must find the plans' step than Keras's before keeping it: step
 # times scatter by about that much, and Keras's own step is the safe choice.
 TRIAL_MARGIN = 0.01
+# The batch normalization kernel the step trial tries where `fuse_batch_norm` is left to the
+# callback: inside XLA's step it reads each activation once less than Keras's moments.
+TRIAL_BATCH_NORM_KERNEL = "xla"
 
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                       keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -153,20 +156,24 @@ class MicroBatchCallback(keras.callbacks.Callback):
         a GPU allocator whose free memory is split may have no room for.
       device_model: the `tf_ucudnn.memory.DeviceModel` for memory planning (measured on the GPU
         if not given).
-      fuse_batch_norm: train the BatchNormalization layers as fused kernels, True or "cudnn"
-        (TensorFlow's FusedBatchNormV3), "xla" or "ucudnn" (`tf_ucudnn.keras.batch_norm_forms`): the
-        same results, one kernel each way, and on the GPU a faster step (Keras's normalization
-        runs as several elementwise ops each way). The layers it cannot fuse are listed in
-        `unfused_batch_norm` with the reason.
+      fuse_batch_norm: train the BatchNormalization layers as fused kernels from the first step,
+        True or "cudnn" (TensorFlow's FusedBatchNormV3), "xla" or "ucudnn"
+        (`tf_ucudnn.keras.batch_norm_forms`): the same results, one kernel each way, and on the
+        GPU a faster step (Keras's normalization runs as several elementwise ops each way). The
+        layers it cannot fuse are listed in `unfused_batch_norm` with the reason. None (the
+        default) leaves it to the step trial: without a memory budget, the step with the plans
+        trains them with the `TRIAL_BATCH_NORM_KERNEL` kernel, kept only with the plans. False:
+        Keras's own normalization.
       stream_conv_batch_norm: a count of micro-batches, 0 for none: each convolution and the
         batch normalization reading it train as one op whose backward runs in that many
         micro-batches (`tf_ucudnn.keras.streamed_conv_bn`), which lowers the backward pass's
         peak; the layers not paired are in `unstreamed` with the reason. The pairs' gradients
         are TensorFlow's convolutions, so this needs `workspace_limit=None`.
-      trial_steps: where some layer is planned, how many steps to time with the plans and as
-        Keras made the step before them (XLA's or TensorFlow's own convolutions), in turns,
-        before keeping the plans if their median step is at least `TRIAL_MARGIN` faster, else
-        Keras's step; 0 keeps the plans without timing them.
+      trial_steps: where some layer is planned or a batch normalization is left to the trial,
+        how many steps to time with the plans and as Keras made the step before them (XLA's or
+        TensorFlow's own convolutions, Keras's normalization), in turns, before keeping the
+        plans if their median step is at least `TRIAL_MARGIN` faster, else Keras's step; 0
+        keeps the plans without timing them (and Keras's normalization).
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
@@ -179,7 +186,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  memory_budget: Union[int, str, None] = None, device_model=None,
                  accumulate_gradients: bool = True, batch_norm_statistics: str = "batch",
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
-                 fuse_batch_norm: Union[bool, str] = False, stream_conv_batch_norm: int = 0,
+                 fuse_batch_norm: Union[bool, str, None] = None, stream_conv_batch_norm: int = 0,
                  trial_steps: int = 10, verbose: int = 1):
         super().__init__()
         if stream_conv_batch_norm and workspace_limit is not None:
@@ -205,7 +212,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self._trial: Optional[_Trial] = None
         self._patched: list[_PatchedLayer] = []
         self._jit_compile = None
-        self.fuse_batch_norm = kernel_name(fuse_batch_norm)  # None, or the kernel's name
+        self._batch_norm_asked = kernel_name(fuse_batch_norm)
+        self._batch_norm_left_to_trial = fuse_batch_norm is None
+        self.fuse_batch_norm = self._batch_norm_asked  # the kernel training now, or None
         self.unfused_batch_norm = []
         self.stream_conv_batch_norm = stream_conv_batch_norm
         self.unstreamed = []
@@ -240,6 +249,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
                              f"compile the model with steps_per_execution=1, not "
                              f"{self.model.steps_per_execution}")
         self._layer_switches = contextlib.ExitStack()
+        # The batch normalization the step trial tries, undone alone if Keras's step wins.
+        self._trial_switches = self._layer_switches.enter_context(contextlib.ExitStack())
+        self.fuse_batch_norm, self.unfused_batch_norm = self._batch_norm_asked, []
         if self.fuse_batch_norm:
             self.unfused_batch_norm = self._layer_switches.enter_context(
                 fused_batch_norm(self.model, self.fuse_batch_norm))
@@ -281,16 +293,19 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if self.report is None and self._patched:
             try:
                 self._plan(lambda patched: patched.observed_shape.numpy().tolist())
-                if self.report.layers:
+                batch_norm_tried = self._try_batch_norm()
+                if self.report.layers or batch_norm_tried:
                     unplanned = self.model.train_function
                     self._retrace()
                     if self.trial_steps:
                         own = ("XLA's own convolutions" if self.model.jit_compile else
                                "TensorFlow's own convolutions")
+                        if batch_norm_tried:
+                            own += " and Keras's batch normalization"
                         self._trial = _Trial(StepTrial(self.trial_steps, own), unplanned,
                                              self.model.train_function)
                         self.report.trial = self._trial.result
-                # With no layer planned, the step as compiled goes on: tracing it again would
+                # With nothing planned, the step as compiled goes on: tracing it again would
                 # cost XLA a compilation for the same step.
             except BaseException:
                 self.on_train_end()  # Keras skips it when training stops on an error
@@ -299,6 +314,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._trial = None
+        self.fuse_batch_norm = self._batch_norm_asked
         self._restore_layout_optimizer()
         self.model.__dict__.pop("train_step", None)
         for patched in self._patched:
@@ -351,6 +367,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                 self._fuse(patched, report)
         if report.layers and not self.model.jit_compile:
             self._layout_kept = _grappler_layout_optimizer_off()
+        report.batch_norm_kernel = self.fuse_batch_norm
         self.report = report
         if self.verbose:
             print(self.summary(), flush=True)
@@ -498,9 +515,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
                     else "; the step compiled by XLA" if self.model.jit_compile else "")]
         lines += self.report.to_text().splitlines()[1:]
         if self.fuse_batch_norm:
-            lines.append(f"  batch normalization trained as fused kernels "
-                         f"({self.fuse_batch_norm}); "
-                         f"{len(self.unfused_batch_norm)} layer(s) left unfused")
+            lines.append(f"  {len(self.unfused_batch_norm)} batch normalization layer(s) left "
+                         f"unfused")
             lines += [f"    {u.layer}: {u.reason}" for u in self.unfused_batch_norm]
         if self.stream_conv_batch_norm:
             lines.append(f"  convolutions trained with their batch normalization, backward in "
@@ -574,6 +590,22 @@ class MicroBatchCallback(keras.callbacks.Callback):
                          activation=activation, plan=plan, plan_batch_size=layer.batch_size)
         return fused_op
 
+    def _try_batch_norm(self) -> bool:
+        """Where the callback decides (no memory budget, a step trial to come), switches the
+        batch normalization layers to `TRIAL_BATCH_NORM_KERNEL` for the planned step; whether
+        some layer was switched."""
+        if not (self._batch_norm_left_to_trial and self.trial_steps
+                and self.options.memory_budget is None):
+            return False
+        left_alone = self._trial_switches.enter_context(
+            fused_batch_norm(self.model, TRIAL_BATCH_NORM_KERNEL))
+        if len(left_alone) == len(batch_norm_layers(self.model)):
+            self._trial_switches.close()
+            return False
+        self.fuse_batch_norm, self.unfused_batch_norm = TRIAL_BATCH_NORM_KERNEL, left_alone
+        self.report.batch_norm_kernel = TRIAL_BATCH_NORM_KERNEL
+        return True
+
     def _retrace(self) -> None:
         self.model.train_function = None
         self.model.make_train_function()
@@ -612,6 +644,10 @@ class MicroBatchCallback(keras.callbacks.Callback):
             for patched in self._patched:
                 patched.plan = None
                 switch_convolution(patched.layer, None)
+            if self._batch_norm_left_to_trial:
+                self._trial_switches.close()
+                self.fuse_batch_norm, self.unfused_batch_norm = None, []
+                self.report.batch_norm_kernel = None
             self._restore_layout_optimizer()
             # The step compiled before the plans runs on; tests and predictions trace again.
             self.model.test_function = None
