@@ -11,7 +11,8 @@
 #                     the callback leaves to TensorFlow held to the limit too)
 #   tf_ucudnn_64mib_bn_xla  (only when named) the callback with fuse_batch_norm="xla": batch
 #                     normalization with its gradient written out, inside Keras's XLA step,
-#                     from the first step (the callback alone tries it in its step trial)
+#                     from the first step (left to it, the callback tries it in its step trial
+#                     where XLA does not compile the step)
 #   tf_ucudnn_64mib_bn_keras  (only when named) the callback with Keras's batch normalization
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)

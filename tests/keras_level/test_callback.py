@@ -563,22 +563,23 @@ class _BatchNormProbe(keras.callbacks.Callback):
 
 @pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
     (5.0, 10.0, "plans"),
-    (10.0, 5.0, "XLA's own convolutions and Keras's batch normalization")])
+    (10.0, 5.0, "TensorFlow's own convolutions and Keras's batch normalization")])
 def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, planned_ms, unplanned_ms,
                                                         kept):
-    """With fuse_batch_norm left to it, the callback's step trains batch normalization with the
-    "xla" kernel, even where no convolution is planned, and keeps it only if the trial does."""
+    """With fuse_batch_norm left to it and no XLA, the callback's step trains batch
+    normalization with the "xla" kernel, even where no convolution is planned, and keeps it only
+    if the trial does."""
     import tf_ucudnn.keras.callback as callback_module
     monkeypatch.setattr(callback_module, "time",
                         _FakeClock([1.0, 1.0] + [planned_ms / 1e3, unplanned_ms / 1e3] * 2))
-    plain, plain_history = _fit(_resnet_style, [], jit_compile=True)
-    callback = MicroBatchCallback(planner=lambda layer: "XLA's own is faster", trial_steps=2,
-                                  verbose=0)
+    plain, plain_history = _fit(_resnet_style, [], jit_compile=False)
+    callback = MicroBatchCallback(planner=lambda layer: "TensorFlow's own is faster",
+                                  trial_steps=2, verbose=0)
     probe = _BatchNormProbe()
-    model, history = _fit(_resnet_style, [callback, probe], jit_compile=True)
+    model, history = _fit(_resnet_style, [callback, probe], jit_compile=False)
     report = callback.report
     assert not report.layers and report.trial.kept == kept
-    assert report.trial.own == "XLA's own convolutions and Keras's batch normalization"
+    assert report.trial.own == "TensorFlow's own convolutions and Keras's batch normalization"
     # Switched when planned, after the first step, through the trial's 2 + 2 * 2 steps; then as
     # the trial decided, for the 3 steps an epoch left.
     assert len(probe.switched) == 9 and all(probe.switched[:6])
@@ -591,14 +592,14 @@ def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, planned_ms,
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{"fuse_batch_norm": False}, {"trial_steps": 0}])
-def test_batch_norm_is_left_to_keras_when_asked_or_untimed(options):
-    """fuse_batch_norm=False keeps Keras's normalization, and so does a callback that times no
-    trial: nothing unplanned then goes untimed into the step."""
-    callback = MicroBatchCallback(planner=lambda layer: "XLA's own is faster", verbose=0,
-                                  **options)
+@pytest.mark.parametrize("options, jit_compile", [({"fuse_batch_norm": False}, False),
+                                                  ({"trial_steps": 0}, False), ({}, True)])
+def test_batch_norm_is_left_to_keras_when_asked_untimed_or_under_xla(options, jit_compile):
+    """fuse_batch_norm=False keeps Keras's normalization; so does a callback that times no trial
+    (nothing unplanned goes untimed into the step), and one whose step XLA compiles."""
+    callback = MicroBatchCallback(planner=lambda layer: "left alone", verbose=0, **options)
     probe = _BatchNormProbe()
-    _fit(_resnet_style, [callback, probe], epochs=2, jit_compile=True)
+    _fit(_resnet_style, [callback, probe], epochs=2, jit_compile=jit_compile)
     assert not any(probe.switched)
     assert callback.report.trial is None and callback.report.batch_norm_kernel is None
 

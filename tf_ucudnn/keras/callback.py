@@ -85,7 +85,9 @@ from tf_ucudnn.report import (
 # times scatter by about that much, and Keras's own step is the safe choice.
 TRIAL_MARGIN = 0.01
 # The batch normalization kernel the step trial tries where `fuse_batch_norm` is left to the
-# callback: inside XLA's step it reads each activation once less than Keras's moments.
+# callback and XLA does not compile the step: one XLA computation each way, where Keras runs
+# about twenty ops. Inside XLA's step it reads each activation once less than Keras's moments,
+# yet ResNet-50's step was no faster with it (docs/results.md), so it is not tried there.
 TRIAL_BATCH_NORM_KERNEL = "xla"
 
 _CONVOLUTION_TYPES = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
@@ -161,9 +163,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
         (`tf_ucudnn.keras.batch_norm_forms`): the same results, one kernel each way, and on the
         GPU a faster step (Keras's normalization runs as several elementwise ops each way). The
         layers it cannot fuse are listed in `unfused_batch_norm` with the reason. None (the
-        default) leaves it to the step trial: without a memory budget, the step with the plans
-        trains them with the `TRIAL_BATCH_NORM_KERNEL` kernel, kept only with the plans. False:
-        Keras's own normalization.
+        default) leaves it to the step trial: where XLA does not compile the step and no memory
+        budget is set, the step with the plans trains them with the `TRIAL_BATCH_NORM_KERNEL`
+        kernel, kept only with the plans. False: Keras's own normalization.
       stream_conv_batch_norm: a count of micro-batches, 0 for none: each convolution and the
         batch normalization reading it train as one op whose backward runs in that many
         micro-batches (`tf_ucudnn.keras.streamed_conv_bn`), which lowers the backward pass's
@@ -591,11 +593,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         return fused_op
 
     def _try_batch_norm(self) -> bool:
-        """Where the callback decides (no memory budget, a step trial to come), switches the
-        batch normalization layers to `TRIAL_BATCH_NORM_KERNEL` for the planned step; whether
-        some layer was switched."""
+        """Where the callback decides (no XLA, no memory budget, a step trial to come),
+        switches the batch normalization layers to `TRIAL_BATCH_NORM_KERNEL` for the planned
+        step; whether some layer was switched."""
         if not (self._batch_norm_left_to_trial and self.trial_steps
-                and self.options.memory_budget is None):
+                and self.options.memory_budget is None and not self.model.jit_compile):
             return False
         left_alone = self._trial_switches.enter_context(
             fused_batch_norm(self.model, TRIAL_BATCH_NORM_KERNEL))
