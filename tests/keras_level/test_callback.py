@@ -564,8 +564,8 @@ class _BatchNormProbe(keras.callbacks.Callback):
 @pytest.mark.parametrize("planned_ms, unplanned_ms, kept", [
     (5.0, 10.0, "plans"),
     (10.0, 5.0, "TensorFlow's own convolutions and Keras's batch normalization")])
-def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, planned_ms, unplanned_ms,
-                                                        kept):
+def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, capsys, planned_ms,
+                                                        unplanned_ms, kept):
     """With fuse_batch_norm left to it and no XLA, the callback's step trains batch
     normalization with the "xla" kernel, even where no convolution is planned, and keeps it only
     if the trial does."""
@@ -574,9 +574,12 @@ def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, planned_ms,
                         _FakeClock([1.0, 1.0] + [planned_ms / 1e3, unplanned_ms / 1e3] * 2))
     plain, plain_history = _fit(_resnet_style, [], jit_compile=False)
     callback = MicroBatchCallback(planner=lambda layer: "TensorFlow's own is faster",
-                                  trial_steps=2, verbose=0)
+                                  trial_steps=2, verbose=1)
     probe = _BatchNormProbe()
     model, history = _fit(_resnet_style, [callback, probe], jit_compile=False)
+    printed = capsys.readouterr().out
+    assert "the step trial tries batch normalization with the 'xla' kernel; 0 layer(s)" in printed
+    assert f"kept {kept}" in printed
     report = callback.report
     assert not report.layers and report.trial.kept == kept
     assert report.trial.own == "TensorFlow's own convolutions and Keras's batch normalization"

@@ -606,6 +606,10 @@ class MicroBatchCallback(keras.callbacks.Callback):
             return False
         self.fuse_batch_norm, self.unfused_batch_norm = TRIAL_BATCH_NORM_KERNEL, left_alone
         self.report.batch_norm_kernel = TRIAL_BATCH_NORM_KERNEL
+        if self.verbose:  # the summary printed by _plan came before this
+            print(f"tf_ucudnn: the step trial tries batch normalization with the "
+                  f"{TRIAL_BATCH_NORM_KERNEL!r} kernel; {len(left_alone)} layer(s) left to Keras",
+                  flush=True)
         return True
 
     def _retrace(self) -> None:
