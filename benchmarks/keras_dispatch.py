@@ -59,10 +59,10 @@ def main():
                                          dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat()
     model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # compiles the step once
+    gpus = tf.config.list_physical_devices("GPU")
     result = {"model": args.model, "batch": args.batch, "jit_compile": bool(model.jit_compile),
-              "device": tf.config.experimental.get_device_details(
-                  tf.config.list_physical_devices("GPU")[0]).get("device_name")
-              if tf.config.list_physical_devices("GPU") else "CPU",
+              "device": tf.config.experimental.get_device_details(gpus[0]).get("device_name")
+              if gpus else "CPU",
               "img_per_s": {"keras_default": [], "reading_each_step": []}}
     for _ in range(args.rounds):
         for label, extra in (("keras_default", []), ("reading_each_step", [ReadsEachStep()])):

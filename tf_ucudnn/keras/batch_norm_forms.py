@@ -13,8 +13,9 @@ them). Keras's ops hold about as much: the liveness analysis predicts about the 
 either.
 
 Kernels: "cudnn", TensorFlow's FusedBatchNormV3; "xla", the same arithmetic as one XLA
-computation each way on the input as it is, its statistics summed in one read of the input; "ucudnn", tf_ucudnn's own op (`ops.batch_norm`),
-cuDNN's batch normalization on an NHWC descriptor, without the copies.
+computation each way on the input as it is, its statistics summed in one read of the input;
+"ucudnn", tf_ucudnn's own op (`ops.batch_norm`), cuDNN's batch normalization on an NHWC
+descriptor, without the copies.
 
 `fused_batch_norm(model, kernel)` switches a model's BatchNormalization layers while a training
 step is traced, and says which layers it left as they are, and why.
