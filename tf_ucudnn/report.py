@@ -75,6 +75,8 @@ class RewriteReport:
     # The kernel the callback's step trains batch normalization with ("cudnn", "xla", "ucudnn"),
     # or None for Keras's own.
     batch_norm_kernel: Optional[str] = None
+    # From the callback: where its input batches were copied ahead of their steps, or why not.
+    input_prefetch: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
@@ -87,7 +89,8 @@ class RewriteReport:
                 "memory_workspaces": (self.memory_workspaces.to_json()
                                       if self.memory_workspaces else None),
                 "trial": self.trial.to_json() if self.trial else None,
-                "batch_norm_kernel": self.batch_norm_kernel}
+                "batch_norm_kernel": self.batch_norm_kernel,
+                "input_prefetch": self.input_prefetch}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -117,6 +120,8 @@ class RewriteReport:
         if self.batch_norm_kernel:
             lines.append(f"  batch normalization trained with the {self.batch_norm_kernel!r} "
                          f"kernel")
+        if self.input_prefetch:
+            lines.append(f"  {self.input_prefetch}")
         if self.trial:
             lines.append(self.trial.to_text())
         return "\n".join(lines)

@@ -1,6 +1,7 @@
 """MicroBatchCallback: model.fit with micro-batched convolutions trains to the same weights."""
 
 import dataclasses
+import threading
 
 import keras
 import numpy as np
@@ -9,6 +10,7 @@ import tensorflow as tf
 
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.keras.callback import MicroBatchCallback
+from tf_ucudnn.keras.input_prefetch import InputPrefetch
 
 # Same weights within float32 tolerance needs full float32 on a GPU too, where TF32 would round
 # TensorFlow's and tf_ucudnn's algorithms differently.
@@ -161,7 +163,7 @@ def _op_types(model):
     return {op.type for op in graph.get_operations()}
 
 
-def _fit_seeing_op_types(build, callbacks, epochs=3):
+def _fit_seeing_op_types(build, callbacks, epochs=3, jit_compile="auto"):
     """`_fit` with `callbacks`, and the op types the model runs at its second training step."""
     seen = set()
 
@@ -170,7 +172,7 @@ def _fit_seeing_op_types(build, callbacks, epochs=3):
             if batch == 1:
                 seen.update(_op_types(self.model))
 
-    model, history = _fit(build, [*callbacks, Probe()], epochs=epochs)
+    model, history = _fit(build, [*callbacks, Probe()], epochs=epochs, jit_compile=jit_compile)
     return model, history, seen
 
 
@@ -185,7 +187,8 @@ def test_after_training_the_model_is_plain_again():
 
 def test_while_training_the_layers_run_tf_ucudnn_ops():
     _, _, seen = _fit_seeing_op_types(
-        _vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0)], epochs=1)
+        _vgg_style, [MicroBatchCallback(planner=SplittingPlanner(), verbose=0)], epochs=1,
+        jit_compile=False)  # as on a CPU: under XLA nothing is fused
     # Each Conv2D has a bias and a ReLU: its convolution, bias and activation run fused.
     assert "UcudnnFusedConv2D" in seen and "Conv2D" not in seen
 
@@ -236,9 +239,11 @@ def test_under_xla_the_callback_fuses_nothing_and_says_why():
     assert all("XLA" in item.reason for item in callback.report.not_fused)
 
 
-def test_with_a_memory_budget_training_follows_the_memory_plan():
+def test_with_a_memory_budget_training_follows_the_memory_plan(monkeypatch):
     from training_steps import SLOW_LINK
 
+    # As on a GPU, where the batches would be copied ahead but for the budget.
+    monkeypatch.setattr(InputPrefetch, "default_device", staticmethod(lambda: "/device:CPU:0"))
     probe = MicroBatchCallback(planner=SplittingPlanner(), accumulate_gradients=False,
                                memory_budget=1 << 40,
                                device_model=SLOW_LINK, verbose=0)
@@ -259,6 +264,8 @@ def test_with_a_memory_budget_training_follows_the_memory_plan():
     planned, history = _fit(_vgg_style, [callback, Probe()])
     # After the first step, the memory-planned step trains.
     assert all("_plan_memory" in name for name in trained_by) and len(trained_by) == 9
+    assert callback.report.input_prefetch == ("batches not copied ahead: under a memory budget "
+                                              "(each batch ahead holds GPU memory)")
     memory = callback.report.memory
     assert memory.swaps or memory.recomputes
     assert memory.decisions.prediction.peak_bytes <= unplanned_peak * 0.9
@@ -727,7 +734,9 @@ def test_a_first_step_that_fails_gives_the_model_its_layers_back():
         layers.GlobalAveragePooling2D(),
         layers.Dense(4),
     ])
-    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # XLA would compile the assertion away (on a GPU, jit_compile="auto" turns it on).
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
     callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
     x, y = _data()
     with pytest.raises(tf.errors.InvalidArgumentError, match="failing step, for a test"):
@@ -741,3 +750,33 @@ def test_a_planner_that_answers_nothing_is_named_with_the_layer():
     callback = MicroBatchCallback(planner=lambda layer: None, verbose=0)
     with pytest.raises(PlannerAnswerError, match="the planner returned None"):
         _fit(_vgg_style, [callback], epochs=1)
+
+
+def test_without_a_gpu_the_batches_are_not_copied_ahead_and_the_report_says_so(monkeypatch):
+    monkeypatch.setattr(InputPrefetch, "default_device", staticmethod(lambda: None))
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    _fit(_vgg_style, [callback], epochs=1)
+    assert callback.report.input_prefetch == "batches not copied ahead: no GPU"
+    assert "  batches not copied ahead: no GPU" in callback.summary().splitlines()
+
+
+def test_batches_copied_ahead_train_to_the_same_weights_and_the_copying_stops(monkeypatch):
+    plain, plain_history = _fit(_resnet_style, [])
+    monkeypatch.setattr(InputPrefetch, "default_device", staticmethod(lambda: "/device:CPU:0"))
+    callback = MicroBatchCallback(planner=SplittingPlanner(), verbose=0)
+    planned, history = _fit(_resnet_style, [callback])
+    assert callback.report.input_prefetch == ("batches copied to /device:CPU:0 up to 2 step(s) "
+                                              "ahead")
+    assert not any(t.name == "tf_ucudnn_input_prefetch" for t in threading.enumerate())
+    np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
+    for a, b in zip(planned.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_prefetch_batches_zero_copies_nothing_ahead_and_negative_is_refused(monkeypatch):
+    monkeypatch.setattr(InputPrefetch, "default_device", staticmethod(lambda: "/device:CPU:0"))
+    callback = MicroBatchCallback(planner=SplittingPlanner(), prefetch_batches=0, verbose=0)
+    _fit(_vgg_style, [callback], epochs=1)
+    assert callback.report.input_prefetch == "batches not copied ahead: prefetch_batches=0"
+    with pytest.raises(ValueError, match="prefetch_batches must be 0 or more, got -1"):
+        MicroBatchCallback(prefetch_batches=-1)

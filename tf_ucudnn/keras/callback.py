@@ -15,6 +15,9 @@ faster than XLA's own convolution. If any layer is planned, a few steps are time
 and as Keras made the step before them, and the faster step is kept, so the callback does not
 leave training slower than Keras's own step. If none is, Keras's step goes on unchanged.
 
+On a GPU, without a memory budget, the train function trains batches copied there ahead of their
+steps (`keras/input_prefetch.py`): Keras's step would otherwise wait for its batch to cross.
+
 Under a memory budget the first step may not fit as it is, so none runs unplanned: the first call
 of the train function takes the first batch from the data, traces the step at its shape (each
 convolution layer notes its input's shape as it is traced), plans the layers and the step's
@@ -45,6 +48,7 @@ from tf_ucudnn.keras.accumulated_step import (
     train_first_batch,
 )
 from tf_ucudnn.keras.batch_norm_forms import batch_norm_layers, fused_batch_norm, kernel_name
+from tf_ucudnn.keras.input_prefetch import InputPrefetch
 from tf_ucudnn.keras.layers import (
     check_keras_convolution,
     conv_filter,
@@ -176,6 +180,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         TensorFlow's own convolutions, Keras's normalization), in turns, before keeping the
         plans if their median step is at least `TRIAL_MARGIN` faster, else Keras's step; 0
         keeps the plans without timing them (and Keras's normalization).
+      prefetch_batches: how many batches to copy to the GPU ahead of the steps that train
+        them (`tf_ucudnn.keras.input_prefetch`), so that a step does not wait for its batch to
+        cross from the host; 0 for none. Not under a memory budget (each batch ahead holds GPU
+        memory), nor with `steps_per_execution` above 1, nor for a distribution strategy's
+        iterator; `report.input_prefetch` says which.
       verbose: 1 prints a summary of the plans when they are made, 0 prints nothing.
 
     After planning, `report` holds the plan of every layer and the layers left alone with why,
@@ -189,7 +198,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  accumulate_gradients: bool = True, batch_norm_statistics: str = "batch",
                  micro_batches: Sequence[int] = (4, 8), whole_batches: bool = True,
                  fuse_batch_norm: Union[bool, str, None] = None, stream_conv_batch_norm: int = 0,
-                 trial_steps: int = 10, verbose: int = 1):
+                 trial_steps: int = 10, prefetch_batches: int = 2, verbose: int = 1):
         super().__init__()
         if stream_conv_batch_norm and workspace_limit is not None:
             raise ValueError(f"stream_conv_batch_norm={stream_conv_batch_norm} needs "
@@ -210,6 +219,11 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if trial_steps < 0:
             raise ValueError(f"trial_steps must be 0 or more, got {trial_steps}")
         self.trial_steps = trial_steps
+        if prefetch_batches < 0:
+            raise ValueError(f"prefetch_batches must be 0 or more, got {prefetch_batches}")
+        self.prefetch_batches = prefetch_batches
+        self._prefetch: Optional[InputPrefetch] = None
+        self._prefetch_note = ""
         self.report: Optional[RewriteReport] = None
         self._trial: Optional[_Trial] = None
         self._patched: list[_PatchedLayer] = []
@@ -274,6 +288,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             self._jit_compile = self.model.jit_compile
             self.model.jit_compile = False
         self._trial = None
+        self._start_prefetch()
         self._retrace()
         if self.options.memory_budget is not None:
             self.model.train_function = self._planning_train_function
@@ -292,6 +307,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         # has finished on the device by now.
         if self._trial is not None:
             self._time_trial_step(time.perf_counter() - self._trial.step_began)
+        if self.report is not None:
+            self.report.input_prefetch = self._prefetch_text()
         if self.report is None and self._patched:
             try:
                 self._plan(lambda patched: patched.observed_shape.numpy().tolist())
@@ -316,6 +333,9 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._trial = None
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         self.fuse_batch_norm = self._batch_norm_asked
         self._restore_layout_optimizer()
         self.model.__dict__.pop("train_step", None)
@@ -370,6 +390,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
         if report.layers and not self.model.jit_compile:
             self._layout_kept = _grappler_layout_optimizer_off()
         report.batch_norm_kernel = self.fuse_batch_norm
+        report.input_prefetch = self._prefetch_text()
         self.report = report
         if self.verbose:
             print(self.summary(), flush=True)
@@ -666,6 +687,28 @@ class MicroBatchCallback(keras.callbacks.Callback):
             tf.config.optimizer.set_experimental_options({"layout_optimizer": self._layout_kept})
             self._layout_kept = None
 
+    # The input.
+
+    def _start_prefetch(self) -> None:
+        device = InputPrefetch.default_device()
+        refusal = ("prefetch_batches=0" if not self.prefetch_batches else
+                   "no GPU" if device is None else
+                   "under a memory budget (each batch ahead holds GPU memory)"
+                   if self.options.memory_budget is not None else
+                   f"steps_per_execution={self.model.steps_per_execution} (Keras's train "
+                   f"function takes several batches a call)"
+                   if self.model.steps_per_execution != 1 else None)
+        if refusal:
+            self._prefetch_note = f"batches not copied ahead: {refusal}"
+            return
+        self._prefetch = InputPrefetch(device, self.prefetch_batches)
+        self._prefetch_note = (f"batches copied to {device} up to {self.prefetch_batches} "
+                               f"step(s) ahead")
+
+    def _prefetch_text(self) -> str:
+        passed_over = self._prefetch.passed_over if self._prefetch else None
+        return f"batches not copied ahead: {passed_over}" if passed_over else self._prefetch_note
+
     def _guard_train_function(self) -> None:
         self.model.train_function = self._guarded(self.model.train_function)
 
@@ -675,6 +718,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
 
         def train_function(iterator):
             try:
+                if self._prefetch is not None:
+                    return self._prefetch(inner, iterator)
                 return inner(iterator)
             except StopIteration:  # the end of an epoch, not an error
                 raise
