@@ -155,6 +155,9 @@ def _train(name: str, args) -> dict:
     labels = tf.random.stateless_uniform([args.batch], [3, 4], maxval=classes, dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat()
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else None
+    if args.prefetch_to_device:
+        # What a user could write instead of the callback's copies ahead.
+        data = data.apply(tf.data.experimental.prefetch_to_device(device or "CPU:0", 2))
     if device:
         tf.config.experimental.reset_memory_stats(device)
     timer = EpochTimer(device)
@@ -178,7 +181,8 @@ def _train(name: str, args) -> dict:
         planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner,
                                                database=args.database, profiles=args.profiles,
                                                fuse_batch_norm=fuse_batch_norm,
-                                               trial_steps=args.trial_steps)
+                                               trial_steps=args.trial_steps,
+                                               prefetch_batches=args.prefetch_batches)
         callbacks.insert(0, planner)
     try:
         model.fit(data, epochs=args.epochs + bool(trace), steps_per_epoch=args.steps, verbose=0,
@@ -223,6 +227,8 @@ def run(args) -> None:
                "TF_CUDNN_WORKSPACE_LIMIT_IN_MB": os.environ.get("TF_CUDNN_WORKSPACE_LIMIT_IN_MB"),
                "callback_workspace_limit": args.callback, "xla_margin": args.xla_margin,
                "fuse_batch_norm": args.fuse_batch_norm,
+               "prefetch_batches": args.prefetch_batches if args.callback else None,
+               "prefetch_to_device": args.prefetch_to_device,
                "jit_compile": args.jit_compile,
                "steps_per_epoch": args.steps, "epochs": args.epochs, "models": {}}
     for name in args.models:
@@ -323,6 +329,11 @@ def main():
                      help="with --callback: the batch normalization kernel it trains with from "
                           "the first step, or keras for Keras's own (unset: its step trial "
                           "decides)")
+    one.add_argument("--prefetch-batches", type=int, default=2,
+                     help="with --callback: the batches it copies to the GPU ahead of their "
+                          "steps (0: none)")
+    one.add_argument("--prefetch-to-device", action="store_true",
+                     help="feed fit tf.data's prefetch_to_device, two batches ahead")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],

@@ -14,6 +14,9 @@
 #                     from the first step (left to it, the callback tries it in its step trial
 #                     where XLA does not compile the step)
 #   tf_ucudnn_64mib_bn_keras  (only when named) the callback with Keras's batch normalization
+#   tf_ucudnn_64mib_no_prefetch  (only when named) the callback copying no batch ahead
+#   tf_default_prefetch_to_device  (only when named) Keras's defaults, fed through tf.data's
+#                     prefetch_to_device: what a user could write instead of the callback's copies
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
@@ -58,6 +61,8 @@ configurations() {
         tf_ucudnn_64mib_noxla) options=(--callback 64MiB --jit-compile off --trace-peak) ;;
         tf_ucudnn_64mib_bn_xla) limit= options=(--callback 64MiB --fuse-batch-norm xla) ;;
         tf_ucudnn_64mib_bn_keras) limit= options=(--callback 64MiB --fuse-batch-norm keras) ;;
+        tf_ucudnn_64mib_no_prefetch) limit= options=(--callback 64MiB --prefetch-batches 0) ;;
+        tf_default_prefetch_to_device) limit= options=(--prefetch-to-device) ;;
         *) echo "unknown configuration $config"; exit 2 ;;
       esac
       env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} \
