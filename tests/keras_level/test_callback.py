@@ -596,6 +596,9 @@ def test_the_step_trial_tries_the_xla_batch_norm_kernel(monkeypatch, capsys, pla
     assert all(probe.switched[6:]) if kept == "plans" else not any(probe.switched[6:])
     assert report.batch_norm_kernel == ("xla" if kept == "plans" else None)
     assert report.to_json()["batch_norm_kernel"] == report.batch_norm_kernel
+    # After training too, the summary says what the step trained with.
+    assert ("0 batch normalization layer(s) left unfused" in callback.summary()) == (
+        kept == "plans")
     assert all("call" not in vars(layer) for layer in model.layers)  # undone after training
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(model.get_weights(), plain.get_weights()):

@@ -537,7 +537,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
                  + ("; XLA compilation turned off under the memory budget" if self._jit_compile
                     else "; the step compiled by XLA" if self.model.jit_compile else "")]
         lines += self.report.to_text().splitlines()[1:]
-        if self.fuse_batch_norm:
+        if self.report.batch_norm_kernel:  # what the step trained with, after training too
             lines.append(f"  {len(self.unfused_batch_norm)} batch normalization layer(s) left "
                          f"unfused")
             lines += [f"    {u.layer}: {u.reason}" for u in self.unfused_batch_norm]
