@@ -32,6 +32,7 @@ import time
 
 import keras
 import tensorflow as tf
+from gpu_names import device_name
 
 from tf_ucudnn.keras.batch_norm_forms import KERNELS, MIN_EPSILON
 
@@ -114,10 +115,8 @@ def main():
                         help="each step one XLA computation, as Keras's default step on a GPU")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    gpus = tf.config.list_logical_devices("GPU")
     results = {"benchmark": "batch_norm_kernels", "tensorflow": tf.__version__,
-               "device": tf.config.experimental.get_device_details(
-                   tf.config.list_physical_devices("GPU")[0])["device_name"] if gpus else "CPU",
+               "device": device_name(),
                "shape": args.shape, "jit_compile": args.jit_compile, "variants": {}}
     for name in args.variants:
         results["variants"][name] = measure(name, args.shape, args.steps, args.jit_compile)

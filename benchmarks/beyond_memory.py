@@ -46,6 +46,7 @@ import time
 from typing import Optional
 
 import tensorflow as tf
+from gpu_names import device_name
 from step_planning_args import add_step_planning_arguments
 
 from tf_ucudnn.keras.step_timing import fit_two_epochs
@@ -58,7 +59,7 @@ def _cap_gpu_memory(limit_gib: float) -> str:
         return "CPU (no GPU; no cap)"
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_gib * 1024))])
-    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+    return device_name()
 
 
 def _images_per_second(step, batch: int, shape, steps: int, synchronous: bool = False,

@@ -15,6 +15,7 @@ import time
 
 import keras
 import tensorflow as tf
+from gpu_names import device_name
 
 from tf_ucudnn.keras import models
 
@@ -59,10 +60,8 @@ def main():
                                          dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat()
     model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # compiles the step once
-    gpus = tf.config.list_physical_devices("GPU")
     result = {"model": args.model, "batch": args.batch, "jit_compile": bool(model.jit_compile),
-              "device": tf.config.experimental.get_device_details(gpus[0]).get("device_name")
-              if gpus else "CPU",
+              "device": device_name(),
               "img_per_s": {"keras_default": [], "reading_each_step": []}}
     for _ in range(args.rounds):
         for label, extra in (("keras_default", []), ("reading_each_step", [ReadsEachStep()])):

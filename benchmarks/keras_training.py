@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -36,6 +35,7 @@ from typing import Optional
 
 import keras
 import tensorflow as tf
+from gpu_names import device_name
 
 import tf_ucudnn
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
@@ -216,8 +216,7 @@ def _train(name: str, args) -> dict:
 
 def run(args) -> None:
     gpus = tf.config.list_physical_devices("GPU")
-    device = (tf.config.experimental.get_device_details(gpus[0]).get("device_name")
-              if gpus else platform.processor() or "CPU")
+    device = device_name()
     cudnn = (current_machine().cudnn_version
              if gpus and tf_ucudnn.gpu_kernels_available() else None)
     results = {"label": args.label, "device": device, "tensorflow": tf.__version__,

@@ -37,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+from gpu_names import gpu_names
 
 FILTERS = (16, 32, 64, 128, 256)
 SECTIONS = ("strong", "weak", "mixes", "large", "timeline")
@@ -272,8 +273,7 @@ def main():
         return lambda: SpatialCosmoFlow(size, args.channels, filters, mesh=mesh)
 
     results = {"benchmark": "spatial_scaling", "tensorflow": tf.__version__,
-               "devices": [tf.config.experimental.get_device_details(gpu).get("device_name")
-                           for gpu in tf.config.list_physical_devices("GPU")] or all_devices,
+               "devices": gpu_names() or all_devices,
                "memory_limit_gib": args.memory_limit_gib or None,
                "convolution": "tensorflow" if args.tensorflow_conv else "tf_ucudnn",
                "edge": args.edge,

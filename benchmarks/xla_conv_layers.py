@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 
 import tensorflow as tf
+from gpu_names import device_name
 
 import tf_ucudnn
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
@@ -83,10 +83,8 @@ def predicted_totals(rows: list, margin: float) -> dict:
 
 
 def run(args) -> dict:
-    gpus = tf.config.list_physical_devices("GPU")
-    device = (tf.config.experimental.get_device_details(gpus[0]).get("device_name")
-              if gpus else platform.processor() or "CPU")
-    results = {"benchmark": "xla_conv_layers", "device": device, "tensorflow": tf.__version__,
+    results = {"benchmark": "xla_conv_layers", "device": device_name(),
+               "tensorflow": tf.__version__,
                "batch": args.batch, "workspace_limit": args.workspace_limit,
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "iterations": args.iterations, "command": " ".join(sys.argv), "models": {}}

@@ -16,6 +16,7 @@ import json
 import time
 
 import tensorflow as tf
+from gpu_names import device_name
 
 
 def measure(step, x, y, steps: int) -> dict:
@@ -64,9 +65,7 @@ def main():
     result = {"model": args.model, "batch": args.batch, "predicted_peak_bytes": predicted,
               "budget_bytes": budget, "recomputes": len(plan.recomputes),
               "swaps_left_out": len(plan.swaps),
-              "device": (tf.config.experimental.get_device_details(
-                  tf.config.list_physical_devices("GPU")[0]).get("device_name")
-                  if tf.config.list_physical_devices("GPU") else "CPU")}
+              "device": device_name()}
     variants = {
         "xla": lambda: callable_over(step.graph.as_graph_def(), step, jit_compile=True),
         "xla_recomputed": lambda: recompute_function(step, plan.recomputes, jit_compile=True),
