@@ -86,6 +86,13 @@ std::string Escaped(std::string s) {
   return s;
 }
 
+// The layer's padding, strides and dilations, for any of the three convolution nodes.
+template <typename Attributes>
+Attributes Geometry(const Layer& l) {
+  return Attributes().set_padding({l.pad, l.pad}).set_stride({l.stride, l.stride})
+      .set_dilation({1, 1});
+}
+
 std::shared_ptr<fe::graph::Graph> Build(const Layer& l, Variant v) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::FLOAT)
@@ -93,19 +100,19 @@ std::shared_ptr<fe::graph::Graph> Build(const Layer& l, Variant v) {
       .set_compute_data_type(fe::DataType_t::FLOAT);
   const std::vector<int64_t> xd = {l.n, l.c, l.h, l.w}, wd = {l.k, l.c, l.r, l.r},
                              yd = {l.n, l.k, l.out_h(), l.out_w()};
-  const std::vector<int64_t> pad = {l.pad, l.pad}, stride = {l.stride, l.stride}, dil = {1, 1};
   const bool prologue = v == Variant::kPrologueConv || v == Variant::kPrologueConvStats ||
                         v == Variant::kPrologueWgrad;
+  const auto input = [&] {  // the convolution's input, normalized and activated or not
+    auto x = Tensor(*g, "x", kX, xd);
+    return prologue ? Prologue(*g, x, l.c) : x;
+  };
   switch (v) {
     case Variant::kConv:
     case Variant::kConvStats:
     case Variant::kPrologueConv:
     case Variant::kPrologueConvStats: {
-      auto x = Tensor(*g, "x", kX, xd);
-      auto w = Tensor(*g, "w", kW, wd);
-      auto in = prologue ? Prologue(*g, x, l.c) : x;
-      auto y = g->conv_fprop(in, w, fe::graph::Conv_fprop_attributes().set_padding(pad)
-                                        .set_stride(stride).set_dilation(dil));
+      auto y = g->conv_fprop(input(), Tensor(*g, "w", kW, wd),
+                             Geometry<fe::graph::Conv_fprop_attributes>(l));
       y->set_uid(kY).set_dim(yd).set_stride(ChannelsLast(yd)).set_output(true);
       if (v == Variant::kConvStats || v == Variant::kPrologueConvStats) {
         auto [sum, sq_sum] = g->genstats(y, fe::graph::Genstats_attributes());
@@ -118,8 +125,7 @@ std::shared_ptr<fe::graph::Graph> Build(const Layer& l, Variant v) {
     case Variant::kDgradDrelu: {
       auto dy = Tensor(*g, "dy", kDy, yd);
       auto w = Tensor(*g, "w", kW, wd);
-      auto dx = g->conv_dgrad(dy, w, fe::graph::Conv_dgrad_attributes().set_padding(pad)
-                                         .set_stride(stride).set_dilation(dil));
+      auto dx = g->conv_dgrad(dy, w, Geometry<fe::graph::Conv_dgrad_attributes>(l));
       dx->set_dim(xd).set_stride(ChannelsLast(xd));
       if (v == Variant::kDgradDrelu) {
         auto act = Tensor(*g, "act", kAct, xd);
@@ -132,11 +138,8 @@ std::shared_ptr<fe::graph::Graph> Build(const Layer& l, Variant v) {
     }
     case Variant::kWgrad:
     case Variant::kPrologueWgrad: {
-      auto dy = Tensor(*g, "dy", kDy, yd);
-      auto x = Tensor(*g, "x", kX, xd);
-      auto in = prologue ? Prologue(*g, x, l.c) : x;
-      auto dw = g->conv_wgrad(dy, in, fe::graph::Conv_wgrad_attributes().set_padding(pad)
-                                          .set_stride(stride).set_dilation(dil));
+      auto dw = g->conv_wgrad(Tensor(*g, "dy", kDy, yd), input(),
+                              Geometry<fe::graph::Conv_wgrad_attributes>(l));
       dw->set_uid(kDw).set_dim(wd).set_stride(ChannelsLast(wd)).set_output(true);
       break;
     }
