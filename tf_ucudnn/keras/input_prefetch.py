@@ -1,10 +1,10 @@
 """Batches copied to the GPU ahead of the steps that train them.
 
 Keras's step copies its batch from the host at its start, and TensorFlow's copy to the GPU first
-waits for the work already queued there, so the GPU computes nothing while the batch crosses: in
-an XLA-compiled ResNet-50 step (batch 128, float32, images in pageable host memory) that is about a
-fifth of the step. An `InputPrefetch` copies the batches from a thread of its own, `depth` batches
-ahead, so each copy overlaps the steps before the one that trains it. The batches are the ones
+waits for the work already queued there, so the GPU computes nothing while the batch crosses (for
+a batch of float32 images in pageable host memory, a large part of a fast step). An
+`InputPrefetch` copies the batches from a thread of its own, `depth` batches ahead, so each copy
+overlaps the steps before the one that trains it. The batches are the ones
 Keras would train, in its order: an iterator Keras hands over again (an infinite dataset with
 `steps_per_epoch`) goes on from the batches copied already, and a new one starts afresh.
 """
