@@ -307,8 +307,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         # has finished on the device by now.
         if self._trial is not None:
             self._time_trial_step(time.perf_counter() - self._trial.step_began)
-        if self.report is not None:
-            self.report.input_prefetch = self._prefetch_text()
+        if self.report is not None and self._prefetch is not None and self._prefetch.passed_over:
+            self.report.input_prefetch = self._prefetch_text()  # learnt at a step, after the plans
         if self.report is None and self._patched:
             try:
                 self._plan(lambda patched: patched.observed_shape.numpy().tolist())
