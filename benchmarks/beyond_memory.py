@@ -244,7 +244,7 @@ def _with_tf_ucudnn(model, shape, batch: int, budget: int, device_model, steps: 
         return entry
     memory = keras_plan.plan
     entry.update(swaps=len(memory.swaps), recomputes=len(memory.recomputes),
-                 micro_batched_until=keras_plan.micro_batched_until,
+                 prefix_end=keras_plan.prefix_end,
                  micro_batches=keras_plan.micro_batches, passed_over=keras_plan.passed_over,
                  predicted=memory.decisions.prediction.to_json())
     started = []
@@ -404,7 +404,7 @@ def _keras_callback_child(args) -> dict:
     if callback.memory_plan is not None:
         plan = callback.memory_plan
         entry.update(swaps=len(plan.plan.swaps), recomputes=len(plan.plan.recomputes),
-                     micro_batched_until=plan.micro_batched_until,
+                     prefix_end=plan.prefix_end,
                      micro_batches=plan.micro_batches,
                      predicted=plan.plan.decisions.prediction.to_json())
     if rate and tf.config.list_logical_devices("GPU"):
@@ -497,7 +497,7 @@ def main():
                "fuse_batch_norm": args.fuse_batch_norm,
                "stream_conv_batch_norm": args.stream_conv_bn, "layout_optimizer_in_plans": False,
                "autotuning_in_plans": not args.plans_without_autotuning,
-               "micro_batched_until_in_plans": args.cut,
+               "prefix_end_in_plans": args.cut,
                "TF_DISABLE_RZ_CHECK": os.environ["TF_DISABLE_RZ_CHECK"],
                "host_link": {"device_to_host_gb_s": device_model.device_to_host / 1e9,
                              "host_to_device_gb_s": device_model.host_to_device / 1e9},

@@ -115,14 +115,14 @@ def main():
                                                       args.micro_batches,
                                                       stream_conv_batch_norm=args.stream_conv_bn)
                 plan = keras_plan.plan
-                row.update(micro_batched_until=keras_plan.micro_batched_until,
+                row.update(prefix_end=keras_plan.prefix_end,
                            micro_batches=keras_plan.micro_batches,
                            passed_over=keras_plan.passed_over)
             elif path == "graph":
                 planned, graph_plan = plan_step_with_prefix(step, budget, link, args.step_ms,
                                                             args.micro_batches)
                 plan = graph_plan.plan
-                row.update(micro_batched_until=graph_plan.cut,
+                row.update(prefix_end=graph_plan.cut,
                            micro_batches=graph_plan.micro_batches,
                            passed_over=graph_plan.passed_over)
             else:

@@ -139,7 +139,7 @@ def main():
                                        stream_conv_batch_norm=args.stream_conv_bn,
                                        whole_batches=args.cut is None)
         result.update(swaps=len(chosen.plan.swaps), recomputes=len(chosen.plan.recomputes),
-                      micro_batched_until=chosen.micro_batched_until,
+                      prefix_end=chosen.prefix_end,
                       micro_batches=chosen.micro_batches,
                       predicted_peak_bytes=chosen.plan.decisions.prediction.peak_bytes)
     else:

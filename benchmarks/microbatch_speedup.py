@@ -33,13 +33,12 @@ import tf_ucudnn
 from tf_ucudnn.conv_planning.database_planner import kernels_run
 from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, fastest_configuration
 from tf_ucudnn.core.plan import BACKPROP_INPUT, FORWARD, KERNELS
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.graph.conv_layers import DEPTHWISE, find_conv_layers, trace_model, unique_geometries
 from tf_ucudnn.keras import models
 from tf_ucudnn.kernels.library import engines_available
 from tf_ucudnn.profiling import ProfileDatabase, step_trace
 from tf_ucudnn.profiling.profiler import current_machine, profile
-
-MIB = 1 << 20
 
 
 def _output_dims(g):

@@ -45,11 +45,11 @@ from tf_ucudnn.conv_planning import (
 )
 from tf_ucudnn.conv_planning.plan_report import summarize
 from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.profiling import AlgorithmTiming, group_by_kernel, micro_batch_sizes, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH_SIZE = 256
-MIB = 1 << 20
 GIB = 1 << 30
 REPEATS = 3
 SHARED_BUDGETS = (GIB // 2, 4 * GIB, 16 * GIB)

@@ -55,7 +55,7 @@ def plan_timed(name: str, batch: int, budget_bytes: int, device_model: DeviceMod
     seconds = Counter()
     model = models.load_model(name)
     trace = timed(lambda layer, count: keras_training_step(
-        model, batch, fuse_batch_norm=args.fuse_batch_norm or False, micro_batched_until=layer,
+        model, batch, fuse_batch_norm=args.fuse_batch_norm or False, prefix_end=layer,
         micro_batches=count, stream_conv_batch_norm=args.stream_conv_bn), seconds, "trace")
     # The phases inside the planner, timed where the planner calls them.
     patched = {(step_plan, "plan_step_memory"): timed(step_plan.plan_step_memory, seconds,
@@ -86,7 +86,7 @@ def plan_timed(name: str, batch: int, budget_bytes: int, device_model: DeviceMod
     plan = keras_plan.plan
     prediction = plan.decisions.prediction
     return entry | {
-            "micro_batched_until": keras_plan.micro_batched_until,
+            "prefix_end": keras_plan.prefix_end,
             "micro_batches": keras_plan.micro_batches,
             "swap_decisions": len(plan.decisions.swaps),
             "recompute_decisions": len(plan.decisions.recomputes),

@@ -387,7 +387,7 @@ def test_memory_command_plans_under_a_budget_and_draws_the_timeline(tmp_path, ca
     assert "the layers up to pool run in" in out
     assert png.read_bytes().startswith(b"\x89PNG")
     written = json.loads(plan_json.read_text())
-    assert written["micro_batched_until"] == "pool"
+    assert written["prefix_end"] == "pool"
     assert written["plan"]["decisions"]["prediction"]["peak_bytes"] <= 8 << 20
 
 

@@ -411,8 +411,8 @@ def _memory_command(args) -> int:
     for tensor in unplanned.kept()[:5]:
         print(f"  {tensor.name}: {format_bytes(tensor.bytes)}")
     print(plan.to_text())
-    print(f"  the layers up to {keras_plan.micro_batched_until} run in "
-          f"{keras_plan.micro_batches} micro-batches" if keras_plan.micro_batched_until
+    print(f"  the layers up to {keras_plan.prefix_end} run in "
+          f"{keras_plan.micro_batches} micro-batches" if keras_plan.prefix_end
           else "  whole batches")
     if args.png:
         write_timeline_png(args.png, plan.liveness, options.memory_budget,

@@ -18,9 +18,8 @@ from tf_ucudnn.core.plan import (
     KernelPlan,
     MicroBatch,
 )
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.profiling import AlgorithmTiming
-
-MIB = 1 << 20
 
 
 def test_alexnet_conv2_forward_at_64_mib(fp32_tables):

@@ -13,9 +13,8 @@ from tf_ucudnn.conv_planning import (
     pareto_configurations,
 )
 from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.profiling import AlgorithmTiming
-
-MIB = 1 << 20
 
 
 def configuration(time_ms, workspace_bytes, algo=0):

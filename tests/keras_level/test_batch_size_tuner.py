@@ -62,8 +62,8 @@ def test_a_keras_model_tunes_with_micro_batched_first_layers_where_they_are_need
     report = tune_keras_batch_size(model, (8, 16, 32), budget, SLOW_LINK)
     by_batch = {t.batch_size: t for t in report.trials}
     # 16 fits as it is; 32 fits only with its first layers in micro-batches, and says so.
-    assert by_batch[16].micro_batched_until is None and by_batch[16].micro_batches == 1
-    assert by_batch[32].micro_batched_until == "pool1" and by_batch[32].micro_batches > 1
+    assert by_batch[16].prefix_end is None and by_batch[16].micro_batches == 1
+    assert by_batch[32].prefix_end == "pool1" and by_batch[32].micro_batches > 1
     assert all(t.peak_bytes <= budget for t in report.trials)
     assert report.best == max(report.trials, key=lambda t: t.images_per_second)
     assert "up to pool1 in" in report.to_text()

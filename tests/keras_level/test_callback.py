@@ -351,7 +351,7 @@ def test_under_a_tighter_budget_the_first_layers_train_in_micro_batches():
                                   device_model=SLOW_LINK, verbose=0)
     planned, history = _fit(_vgg_style, [callback])
     chosen = callback.memory_plan
-    assert chosen.micro_batched_until.startswith("max_pooling2d") and chosen.micro_batches == 4
+    assert chosen.prefix_end.startswith("max_pooling2d") and chosen.micro_batches == 4
     assert chosen.passed_over[0].startswith("whole batches:")
     assert callback.report.memory.decisions.prediction.peak_bytes <= budget
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
@@ -384,7 +384,7 @@ def test_asked_to_the_callback_trains_first_layers_with_a_batch_normalization_in
                                   device_model=SLOW_LINK, whole_batches=False, verbose=0)
     planned, history = _fit(_stem_style, [callback])
     chosen = callback.memory_plan
-    assert chosen.micro_batched_until.startswith("max_pooling2d")
+    assert chosen.prefix_end.startswith("max_pooling2d")
     assert chosen.passed_over == ["whole batches: not tried, as asked"]
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     # The weights and the normalization's moving statistics.
@@ -412,7 +412,7 @@ def test_without_a_workspace_limit_convolutions_stay_tensorflows_under_a_memory_
     assert report.memory.decisions.prediction.peak_bytes <= budget
     # The peak is inside TensorFlow's transposed convolution, which no swap lowers.
     assert callback.memory_plan.passed_over[0].startswith("whole batches:")
-    assert callback.memory_plan.micro_batched_until.startswith("max_pooling2d")
+    assert callback.memory_plan.prefix_end.startswith("max_pooling2d")
     assert not any(op.type.startswith("Ucudnn") for op in report.memory.liveness.ops)
     np.testing.assert_allclose(history["loss"], plain_history["loss"], rtol=1e-5)
     for a, b in zip(planned.get_weights(), plain.get_weights()):

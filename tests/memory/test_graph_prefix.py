@@ -18,7 +18,7 @@ from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.keras.planned_step import keras_training_step
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.passes.graph_prefix import micro_batch_prefix, prefix_cuts
+from tf_ucudnn.memory.passes.graph_prefix import micro_batched_prefix, prefix_cuts
 from tf_ucudnn.memory.passes.prefix_analysis import POOLINGS
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import plan_step_memory
@@ -42,7 +42,7 @@ def _op(graph, suffix: str) -> tf.Operation:
                                                   ("pool2", 3)])
 def test_the_step_in_micro_batches_gives_the_same_loss_and_gradients(layer, micro_batches):
     step = gradient_step(pooled_conv_model(), 8)
-    micro = micro_batch_prefix(step, _cut(step, layer), micro_batches)
+    micro = micro_batched_prefix(step, _cut(step, layer), micro_batches)
     assert_same_step(step, micro, rtol=1e-5, atol=1e-6)
     sizes = sorted(op.outputs[0].shape[0] for op in micro.get_concrete_function().graph
                    .get_operations() if op.type == "Conv2D" and op.inputs[0].shape[-1] == 3)
@@ -55,7 +55,7 @@ def test_the_step_in_micro_batches_gives_the_same_loss_and_gradients(layer, micr
 def test_an_sgd_step_updates_the_weights_as_the_original_does(layer):
     model = pooled_conv_model()
     step = keras_training_step(model, 8)
-    micro = micro_batch_prefix(step, _cut(step, layer), 3)
+    micro = micro_batched_prefix(step, _cut(step, layer), 3)
     x = tf.random.stateless_normal([8, 32, 32, 3], seed=[1, 2])
     y = tf.range(8) % 4
     before = [w.numpy() for w in model.trainable_variables]
@@ -78,7 +78,7 @@ def test_a_conv3d_model_in_uneven_micro_batches():
     model = tf.keras.Model(inputs, layers.Dense(2)(layers.GlobalAveragePooling3D()(h)))
     step = gradient_step(model, 5)
     assert prefix_cuts(step) == ([_cut(step, "pool1")], [])
-    assert_same_step(step, micro_batch_prefix(step, _cut(step, "pool1"), 3))
+    assert_same_step(step, micro_batched_prefix(step, _cut(step, "pool1"), 3))
 
 
 def test_an_average_pooling_cut_divides_its_gradient_too():
@@ -88,7 +88,7 @@ def test_an_average_pooling_cut_divides_its_gradient_too():
     h = layers.AveragePooling2D(2, name="pool1")(h)
     model = tf.keras.Model(inputs, layers.Dense(2)(layers.Flatten()(h)))
     step = gradient_step(model, 6)
-    micro = micro_batch_prefix(step, _cut(step, "pool1"), 4)
+    micro = micro_batched_prefix(step, _cut(step, "pool1"), 4)
     assert_same_step(step, micro)
     # The pooling's gradient reads a constant shape of the whole batch; each micro-batch's copy
     # has its own, and reads its piece of the cut's gradient.
@@ -130,14 +130,14 @@ def test_cuts_the_step_does_not_allow_are_refused_with_the_op_and_reason(model, 
     assert possible == [] and [item[0] for item in refused] == [cut]
     assert re.search(message, refused[0][1])
     with pytest.raises(PrefixError, match=message):
-        micro_batch_prefix(step, cut, 2)
+        micro_batched_prefix(step, cut, 2)
 
 
 def test_more_micro_batches_than_samples_and_an_input_gradient_are_refused():
     model = pooled_conv_model()
     step = gradient_step(model, 4)
     with pytest.raises(PrefixError, match="cannot divide a batch of 4 into 5 micro-batches"):
-        micro_batch_prefix(step, _cut(step, "pool1"), 5)
+        micro_batched_prefix(step, _cut(step, "pool1"), 5)
 
     @tf.function
     def with_input_gradient(x, y):
@@ -150,7 +150,7 @@ def test_more_micro_batches_than_samples_and_an_input_gradient_are_refused():
                                                      tf.TensorSpec([4], tf.int32))
     with pytest.raises(PrefixError, match=r"\(shape \(4, 32, 32, 3\)\) of the prefix's backward "
                                           "is returned by the step, but only sums over the batch"):
-        micro_batch_prefix(step, _cut(step, "pool1"), 2)
+        micro_batched_prefix(step, _cut(step, "pool1"), 2)
 
 
 def test_micro_batches_run_one_after_another_and_the_backward_waits_for_the_cut_gradient():
@@ -164,7 +164,7 @@ def test_micro_batches_run_one_after_another_and_the_backward_waits_for_the_cut_
                            if op.type == "Conv2DBackpropFilter" and op.inputs[0].name == "x:0")
     (pool_gradient,) = [op for op in original.get_operations()
                         if op.type == "MaxPoolGrad" and op.inputs[1].name == cut]
-    graph = micro_batch_prefix(step, cut, 3).get_concrete_function().graph
+    graph = micro_batched_prefix(step, cut, 3).get_concrete_function().graph
 
     def waits(name):
         return {op.name for op in _op(graph, name).control_inputs}
@@ -186,7 +186,7 @@ def test_micro_batches_run_one_after_another_and_the_backward_waits_for_the_cut_
 
 def test_only_one_micro_batch_of_the_prefix_is_held_at_a_time():
     step = gradient_step(pooled_conv_model(), 16)
-    micro = micro_batch_prefix(step, _cut(step, "pool1"), 4).get_concrete_function()
+    micro = micro_batched_prefix(step, _cut(step, "pool1"), 4).get_concrete_function()
     report, whole = analyze(micro), analyze(step)
     # The prefix's activations are made again, not kept: only its output is.
     assert report.kept() and not any("ucudnn_micro_batch_" in t.name for t in report.kept())
@@ -208,7 +208,7 @@ def test_rewrite_runs_the_first_ops_in_micro_batches_where_only_that_fits():
     step = gradient_step(pooled_conv_model(), 16)
     cut = _cut(step, "pool1")
     lowest = _lowest_peak(step)
-    prefixed = _unplanned_peak(micro_batch_prefix(step, cut, 4).get_concrete_function())
+    prefixed = _unplanned_peak(micro_batched_prefix(step, cut, 4).get_concrete_function())
     assert prefixed < lowest
     budget = (prefixed + lowest) // 2
     rewritten, report = tf_ucudnn.rewrite(step, memory_budget=budget, device_model=SLOW_LINK)
@@ -240,7 +240,7 @@ def test_planned_convolutions_in_the_prefix_run_their_plans_on_micro_batches():
     step = conv_training_step()
     convolutions, _ = tf_ucudnn.rewrite(step, _halves)
     planned = convolutions.get_concrete_function()
-    prefixed = micro_batch_prefix(planned, prefix_cuts(planned)[0][0], 4)
+    prefixed = micro_batched_prefix(planned, prefix_cuts(planned)[0][0], 4)
     budget = (_unplanned_peak(prefixed.get_concrete_function()) + _lowest_peak(planned)) // 2
     rewritten, report = tf_ucudnn.rewrite(step, _halves, memory_budget=budget,
                                           device_model=SLOW_LINK, micro_batches=(4,))

@@ -6,11 +6,11 @@ import gc
 import pytest
 import tensorflow as tf
 
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.simulator import (
     RecomputeDecision,
     SwapDecision,
-    TensorUse,
     latest_hiding_prefetch,
     predict,
 )

@@ -5,13 +5,13 @@ after the next starts), ops of no duration, ties, and pieces held at any time.""
 import numpy as np
 import pytest
 
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks, RangeMax
 from tf_ucudnn.memory.cost.simulator import (
     RecomputeDecision,
     StepSimulator,
     SwapDecision,
-    TensorUse,
     due_times,
     peak_from_op_events,
     predict,

@@ -3,7 +3,7 @@ the greedy search's options grow its round's set), against working it out from s
 
 import numpy as np
 
-from tf_ucudnn.memory.cost.simulator import TensorUse
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.search.greedy import Recomputing
 
 

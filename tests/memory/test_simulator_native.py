@@ -10,12 +10,12 @@ import pytest
 from training_steps import SLOW_LINK, conv_training_step
 
 from tf_ucudnn.memory.analysis.liveness import analyze
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.simulator import (
     RecomputeDecision,
     StepSimulator,
     SwapDecision,
-    TensorUse,
     due_times,
     latest_hiding_prefetch,
     needed_by,

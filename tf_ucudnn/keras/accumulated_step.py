@@ -30,14 +30,13 @@ import tensorflow as tf
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.units import format_bytes
-from tf_ucudnn.keras.microbatched_prefix import batch_dependent_layers
+from tf_ucudnn.keras.micro_batched_prefix import batch_dependent_layers
 from tf_ucudnn.memory.analysis.compiled_buffers import CompiledBuffersError, compiled_buffers
 from tf_ucudnn.memory.analysis.liveness import analyze
+from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
+from tf_ucudnn.options import BATCH_NORM_STATISTICS
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
-# Which batch a batch normalization takes its statistics from in micro-batches: the whole
-# batch's (exact; then the step is not run in micro-batches) or each micro-batch's own.
-BATCH_NORM_STATISTICS = ("batch", "micro_batch")
 
 
 class AccumulationError(TfUcudnnError, ValueError):
@@ -97,7 +96,7 @@ def micro_batch_count(batch: int, largest: int) -> int:
 
 
 @dataclasses.dataclass
-class AccumulationPlan:
+class AccumulationPlan(StepMemoryPlan):
     """A step of `batch` samples in micro-batches of `micro_batch_size`, its peak predicted by
     the liveness analysis and, for an XLA step, by XLA's buffer assignment (and measured, once a
     step has run on a GPU), and the sizes passed over with why."""
@@ -113,12 +112,14 @@ class AccumulationPlan:
     # Layers normalizing by each micro-batch's statistics, not the whole batch's.
     normalized_per_micro_batch: list[str] = dataclasses.field(default_factory=list)
 
+    kind = "micro_batched_step"
+
     @property
     def micro_batches(self) -> int:
         return self.batch // self.micro_batch_size
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"micro_batches": self.micro_batches}
+        return dataclasses.asdict(self) | {"kind": self.kind, "micro_batches": self.micro_batches}
 
     def to_text(self) -> str:
         compiled = ("" if self.compiled_peak_bytes is None else

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import tensorflow as tf
 
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.keras.accumulated_step import (
     AccumulationError,
     AccumulationPlan,
@@ -31,8 +32,6 @@ from tf_ucudnn.memory.search.step_plan import (
     plan_step_memory,
 )
 
-MIB = 1 << 20
-
 
 @dataclasses.dataclass(frozen=True)
 class BatchTrial:
@@ -41,7 +40,7 @@ class BatchTrial:
     step_ms: Optional[float]
     peak_bytes: int  # predicted with the plan, or without one when it cannot fit
     reason: str = ""
-    micro_batched_until: Optional[str] = None  # the layers run in micro-batches, if any
+    prefix_end: Optional[str] = None  # the layers run in micro-batches, if any
     micro_batches: int = 1
     # The whole step in micro-batches of this size, the gradients summed, if so planned.
     accumulated_micro_batch: Optional[int] = None
@@ -68,8 +67,8 @@ class TuningReport:
             lines.append(f"  batch {trial.batch_size}: " + (
                 f"{trial.images_per_second:.1f} img/s predicted ({trial.step_ms:.3f} ms/step, "
                 f"peak {trial.peak_bytes / MIB:.1f} MiB"
-                + (f", up to {trial.micro_batched_until} in {trial.micro_batches} micro-batches"
-                   if trial.micro_batched_until else "")
+                + (f", up to {trial.prefix_end} in {trial.micro_batches} micro-batches"
+                   if trial.prefix_end else "")
                 + (f", {trial.micro_batches} micro-batches of {trial.accumulated_micro_batch}, "
                    "gradients summed" if trial.accumulated_micro_batch
                    and trial.micro_batches > 1 else "")
@@ -81,18 +80,18 @@ class TuningReport:
 
 
 def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int],
-                    budget_bytes: int, model: DeviceModel,
+                    budget_bytes: int, device_model: DeviceModel,
                     measured_ms: Optional[Callable[[int], dict]] = None) -> TuningReport:
     """Plans each batch size's step (`step_for(batch)`, a ConcreteFunction) under the budget and
     picks the most images per second; `measured_ms(batch)` may give measured op times."""
     return _tune(_memory_planned(lambda batch: (
-        plan_step_memory(step_for(batch), budget_bytes, model,
+        plan_step_memory(step_for(batch), budget_bytes, device_model,
                          measured_ms(batch) if measured_ms else None), {})),
         batch_sizes, budget_bytes)
 
 
 def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
-                          budget_bytes: int, model: DeviceModel,
+                          budget_bytes: int, device_model: DeviceModel,
                           step_ms: Optional[Callable[[int, int], float]] = None,
                           fuse_batch_norm: Union[bool, str] = False,
                           micro_batches: Iterable[int] = (4, 8),
@@ -113,14 +112,14 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
     refused = (accumulation_refusal(keras_model, batch_norm_statistics)
                if accumulate_gradients else "accumulate_gradients=False")
     if refused is None:
-        return _tune(_accumulated(keras_model, budget_bytes, model, step_ms,
+        return _tune(_accumulated(keras_model, budget_bytes, device_model, step_ms,
                                   batch_norm_statistics), batch_sizes, budget_bytes)
 
     def plan(batch):
-        _, chosen = plan_keras_step(keras_model, batch, budget_bytes, model,
+        _, chosen = plan_keras_step(keras_model, batch, budget_bytes, device_model,
                                     step_ms(batch, batch) if step_ms else None, fuse_batch_norm,
                                     micro_batches)
-        return chosen.plan, {"micro_batched_until": chosen.micro_batched_until,
+        return chosen.plan, {"prefix_end": chosen.prefix_end,
                              "micro_batches": chosen.micro_batches}
     report = _tune(_memory_planned(plan), batch_sizes, budget_bytes)
     report.accumulation_refused = refused
@@ -141,7 +140,7 @@ def _memory_planned(plan_for):
     return trial_for
 
 
-def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceModel,
+def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, device_model: DeviceModel,
                  step_ms: Optional[Callable[[int, int], float]], batch_norm_statistics: str):
     """The trial of each batch with the whole step in micro-batches, as the callback plans it,
     and its plan if it fits."""
@@ -166,7 +165,7 @@ def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, model: DeviceMo
                 else plan.compiled_peak_bytes)
         if step_ms is None:
             total_ms = plan.micro_batches * plan_step_memory(
-                trace(size), 1 << 62, model).decisions.prediction.step_ms
+                trace(size), 1 << 62, device_model).decisions.prediction.step_ms
         else:
             try:
                 total_ms = step_ms(batch, size)

@@ -59,7 +59,7 @@ from tf_ucudnn.keras.layers import (
     switch_convolution,
     switch_fused_call,
 )
-from tf_ucudnn.keras.microbatched_prefix import micro_batched_calls
+from tf_ucudnn.keras.micro_batched_prefix import micro_batched_calls
 from tf_ucudnn.keras.planned_step import (
     KerasStepPlan,
     plan_keras_step,
@@ -502,8 +502,8 @@ class MicroBatchCallback(keras.callbacks.Callback):
         self.report.memory = self.memory_plan.plan
         if self.verbose:
             print(self.report.memory.to_text(), flush=True)
-            if self.memory_plan.micro_batched_until:
-                print(f"  layers up to {self.memory_plan.micro_batched_until} run in "
+            if self.memory_plan.prefix_end:
+                print(f"  layers up to {self.memory_plan.prefix_end} run in "
                       f"{self.memory_plan.micro_batches} micro-batches", flush=True)
 
         def train_one(data):

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
-from tf_ucudnn.keras.microbatched_prefix import cut, microbatched_model_call
+from tf_ucudnn.keras.micro_batched_prefix import cut, micro_batched_model_call
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
@@ -29,14 +29,14 @@ from tf_ucudnn.memory.search.workspace_choice import StepOutcome, choose_workspa
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
                         fuse_batch_norm: Union[bool, str] = False,
-                        micro_batched_until: Optional[str] = None, micro_batches: int = 1,
+                        prefix_end: Optional[str] = None, micro_batches: int = 1,
                         stream_conv_batch_norm: int = 0):
     """A model's training step (loss, gradients, optimizer update) for one batch size, traced;
     with `fuse_batch_norm` (True or "cudnn", "xla", "ucudnn"), its batch normalization layers
     traced as fused kernels (`tf_ucudnn.keras.batch_norm_forms`; a warning names each layer left
-    unfused, and why); with `micro_batched_until`, the layers up to that one run in
+    unfused, and why); with `prefix_end`, the layers up to that one run in
     `micro_batches` micro-batches, made again for the backward pass
-    (`tf_ucudnn.keras.microbatched_prefix`); with `stream_conv_batch_norm` (a count of
+    (`tf_ucudnn.keras.micro_batched_prefix`); with `stream_conv_batch_norm` (a count of
     micro-batches, 0 for none), each convolution and the batch normalization reading it train
     as one op whose backward is streamed in that many micro-batches
     (`tf_ucudnn.keras.streamed_conv_bn`; one warning names the layers not paired, and why), the
@@ -45,8 +45,8 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
     optimizer.build(variables)
-    forward = (microbatched_model_call(cut(model, micro_batched_until), micro_batches)
-               if micro_batched_until else lambda x: model(x, training=True))
+    forward = (micro_batched_model_call(cut(model, prefix_end), micro_batches)
+               if prefix_end else lambda x: model(x, training=True))
 
     @tf.function
     def step(x, y):
@@ -79,12 +79,12 @@ class KerasStepPlan:
     was passed over."""
 
     plan: MemoryPlan
-    micro_batched_until: Optional[str]
+    prefix_end: Optional[str]
     micro_batches: int
     passed_over: list[str]
 
     def to_json(self) -> dict:
-        return {"micro_batched_until": self.micro_batched_until,
+        return {"prefix_end": self.prefix_end,
                 "micro_batches": self.micro_batches, "passed_over": self.passed_over,
                 "plan": self.plan.to_json()}
 
@@ -110,7 +110,7 @@ def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
     def traced(layer: Optional[str], count: int):
         return (trace(layer, count) if trace is not None else
                 keras_training_step(model, batch_size, fuse_batch_norm=fuse_batch_norm,
-                                    micro_batched_until=layer, micro_batches=count,
+                                    prefix_end=layer, micro_batches=count,
                                     stream_conv_batch_norm=stream_conv_batch_norm))
 
     found = plan_with_micro_batches(traced, budget_bytes, device_model, step_ms,

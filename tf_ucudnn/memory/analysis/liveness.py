@@ -30,9 +30,9 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from tf_ucudnn.core.plan import WORKSPACE_ATTR
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.graph.functions import is_concrete_function
-from tf_ucudnn.memory.cost.device_model import tensor_bytes
-from tf_ucudnn.memory.cost.simulator import TensorUse
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse, tensor_bytes
 
 # Ops whose output is their input's buffer.
 ALIASING_OPS = {"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient", "Snapshot",
@@ -157,8 +157,6 @@ def _tensorflow_convolution_copies(op: tf.Operation) -> int:
 
 
 BACKWARD_SCOPES = ("gradient_tape/", "gradients/")
-
-MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)

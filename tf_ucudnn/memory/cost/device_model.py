@@ -10,6 +10,8 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from tf_ucudnn.memory.analysis.tensor_use import tensor_bytes
+
 GB = 1e9
 
 
@@ -106,15 +108,6 @@ class DeviceModel:
             tf.config.list_physical_devices("GPU")[0]).get("device_name", device)
         return cls(name, device_to_host=size_bytes / out,
                    host_to_device=size_bytes / (round_trip - out))
-
-
-def tensor_bytes(tensor) -> Optional[int]:
-    """A tensor's size on the device: 0 for handles (resources, variants), None if unknown."""
-    if tensor.dtype in (tf.resource, tf.variant):
-        return 0
-    if not tensor.shape.is_fully_defined():
-        return None
-    return tensor.shape.num_elements() * tensor.dtype.size
 
 
 _MATRIX_PRODUCTS = ("MatMul", "BatchMatMulV2", "BatchMatMulV3")

@@ -21,6 +21,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks
 
@@ -28,30 +29,6 @@ try:  # `StepSimulator.predict`'s inner loop, compiled (cc/memory/step_simulator
     from tf_ucudnn import _step_simulator
 except ImportError:  # not built (pybind11 was missing when tf_ucudnn was): numpy predicts alone
     _step_simulator = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorUse:
-    """A tensor of the step: its size, the op producing it and the ops reading it (indices into
-    the execution order). `backward_consumers` are the readers after the forward pass."""
-
-    name: str
-    bytes: int
-    producer: int
-    consumers: tuple[int, ...]
-    backward_consumers: tuple[int, ...] = ()
-    device: str = ""  # where its buffer is; each device's peak is its own
-
-    def __post_init__(self):
-        object.__setattr__(self, "consumers", tuple(sorted(self.consumers)))
-        object.__setattr__(self, "backward_consumers", tuple(sorted(self.backward_consumers)))
-        if not set(self.backward_consumers) <= set(self.consumers):
-            raise ValueError(f"{self.name}: backward consumers must be among its consumers")
-
-    @functools.cached_property
-    def last_forward_use(self) -> int:
-        forward = [c for c in self.consumers if c not in self.backward_consumers]
-        return max(forward, default=self.producer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +69,7 @@ class Prediction:
         return dataclasses.asdict(self) | {"exposed_transfer_ms": self.exposed_transfer_ms}
 
 
-def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
+def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], device_model: DeviceModel,
             swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
             recomputes: Sequence[RecomputeDecision] = ()) -> Prediction:
     """Step time and peak memory of the ops (in execution order) with these decisions.
@@ -101,7 +78,8 @@ def predict(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceM
     `device`) count towards their own device's peak, and the highest is the step's. Variables
     (`persistent_bytes`) count on every device, as each holds the weights it uses. A search
     predicting many sets of decisions for the same step keeps a StepSimulator instead."""
-    return StepSimulator(op_ms, tensors, model).predict(swaps, persistent_bytes, recomputes)
+    return StepSimulator(op_ms, tensors, device_model).predict(swaps, persistent_bytes,
+                                                               recomputes)
 
 
 class StepSimulator:
@@ -114,8 +92,9 @@ class StepSimulator:
     reference that one is tested against and the fallback where it is not built (or where
     TF_UCUDNN_SIMULATOR=numpy asks for it, to compare the two)."""
 
-    def __init__(self, op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel):
-        self.model = model
+    def __init__(self, op_ms: Sequence[float], tensors: Sequence[TensorUse],
+                 device_model: DeviceModel):
+        self.device_model = device_model
         self.table = TensorTable.of(tensors)
         self.durations = np.asarray(op_ms, dtype=float)
         self.prefix = np.concatenate([[0.0], np.cumsum(self.durations)])
@@ -126,7 +105,7 @@ class StepSimulator:
         self.durations_list = self.durations.tolist()
         self.prefix_list = self.prefix.tolist()
         self.prepared: dict[int, tuple] = {}  # id of a tuple of recomputations -> `_prepared`
-        self.native = _native_step(self.durations, self.prefix, self.table, model)
+        self.native = _native_step(self.durations, self.prefix, self.table, device_model)
 
     # What only the numpy predictions read, made when they first need it (the compiled simulator
     # keeps its own): per device, the bytes each op allocates (of the tensors it makes) and frees
@@ -164,7 +143,7 @@ class StepSimulator:
 
     def _predict_with_numpy(self, swaps: Sequence[SwapDecision], persistent_bytes: int,
                             made: "PreparedRecomputes") -> Prediction:
-        table, by_name, model = self.table, self.table.by_name, self.model
+        table, by_name, device_model = self.table, self.table.by_name, self.device_model
         chosen = {swap.tensor: swap for swap in swaps}
         produced_by: dict[int, list[TensorUse]] = {}
         prefetched_at: dict[int, list[TensorUse]] = {}
@@ -200,11 +179,11 @@ class StepSimulator:
                 shifts.append(shift)
             end_i = ready + durations[i]
             for tensor in produced_by.get(i, ()):
-                copy = tensor.bytes / model.device_to_host * 1e3
+                copy = tensor.bytes / device_model.device_to_host * 1e3
                 out_done[tensor.name] = d2h_free = max(d2h_free, end_i) + copy
                 transfer += copy
             for tensor in prefetched_at.get(i, ()):
-                copy = tensor.bytes / model.host_to_device * 1e3
+                copy = tensor.bytes / device_model.host_to_device * 1e3
                 begin = max(h2d_free, end_i, out_done[tensor.name])
                 in_start[tensor.name], in_done[tensor.name] = begin, begin + copy
                 h2d_free = begin + copy
@@ -383,7 +362,7 @@ class TensorTable:
 
 
 def _native_step(durations: np.ndarray, prefix: np.ndarray, table: TensorTable,
-                 model: DeviceModel):
+                 device_model: DeviceModel):
     """The compiled simulator's copy of what does not depend on the decisions; None where it is
     not built, or TF_UCUDNN_SIMULATOR=numpy asks for the numpy one."""
     if _step_simulator is None or os.environ.get("TF_UCUDNN_SIMULATOR") == "numpy":
@@ -393,7 +372,8 @@ def _native_step(durations: np.ndarray, prefix: np.ndarray, table: TensorTable,
         durations, prefix, table.producers, table.lasts, table.sizes, table.last_forward_uses,
         np.cumsum([0, *map(len, backward)]), [op for ops in backward for op in ops],
         table.devices, len(table.device_names), dict(table.index),
-        [t.name for t in table.tensors], model.device_to_host, model.host_to_device)
+        [t.name for t in table.tensors], device_model.device_to_host,
+        device_model.host_to_device)
 
 
 PREPARED_KEPT = 64  # tuples of recomputations prepared and kept: a round's few
@@ -545,11 +525,11 @@ def peak_from_op_events(start: np.ndarray, end: np.ndarray, allocated: np.ndarra
 
 
 def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],
-                           model: DeviceModel, due: Optional[int] = None) -> int:
+                           device_model: DeviceModel, due: Optional[int] = None) -> int:
     """The latest op after which the swap-in still ends before the first backward use (or the
     op `due`), on an idle copy engine: as late as possible to hold the memory briefly, early
     enough to hide."""
-    copy = tensor.bytes / model.host_to_device * 1e3
+    copy = tensor.bytes / device_model.host_to_device * 1e3
     covered = 0.0
     first_use = tensor.backward_consumers[0] if due is None else due
     for prefetch in range(first_use - 1, tensor.last_forward_use - 1, -1):

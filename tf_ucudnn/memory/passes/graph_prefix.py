@@ -1,6 +1,6 @@
 """The micro-batched prefix on a graph: a training step's first ops run one micro-batch at a time.
 
-`microbatched_prefix` does this for a Keras model, whose layers it can call again; a graph (a
+`micro_batched_prefix` does this for a Keras model, whose layers it can call again; a graph (a
 ConcreteFunction of a training step, as `tf_ucudnn.rewrite` and the SavedModel converter get) has
 only its ops. Cut after a forward tensor (typically a pooling's output):
 
@@ -61,7 +61,7 @@ def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
     return even_sizes(batch, micro_batches)
 
 
-def micro_batch_prefix(function, cut: str, micro_batches: int):
+def micro_batched_prefix(function, cut: str, micro_batches: int):
     """`function` (a ConcreteFunction of a training step) with the ops up to the tensor `cut`
     ("op:0") run in `micro_batches` micro-batches and made again for the backward pass, as a
     tf.function over the same inputs and variables. PrefixError names the op and the reason
@@ -74,7 +74,7 @@ def micro_batch_prefix(function, cut: str, micro_batches: int):
 
 
 def prefix_cuts(function) -> tuple[list[str], list[tuple[str, str]]]:
-    """The forward poolings' outputs at which `micro_batch_prefix` can cut the step, in execution
+    """The forward poolings' outputs at which `micro_batched_prefix` can cut the step, in execution
     order, and (tensor, reason) for those at which it cannot."""
     possible, refused = [], []
     for cut, reason in cut_candidates(function):

@@ -13,13 +13,13 @@ from typing import Callable, Collection, Mapping, Optional, Sequence
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.units import format_bytes
+from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.simulator import (
     Prediction,
     RecomputeDecision,
     StepSimulator,
     SwapDecision,
-    TensorUse,
     latest_hiding_prefetch,
     needed_by,
 )
@@ -62,7 +62,7 @@ def without_cycle_collection(search):
 
 
 @without_cycle_collection
-def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: DeviceModel,
+def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], device_model: DeviceModel,
                 budget_bytes: int, persistent_bytes: int = 0,
                 recompute_ms: Optional[Mapping[str, float]] = None,
                 recompute_reads: Optional[Mapping[str, Collection[str]]] = None,
@@ -110,16 +110,16 @@ def plan_memory(op_ms: Sequence[float], tensors: Sequence[TensorUse], model: Dev
                            {name: ms * scale for name, ms in (recompute_ms or {}).items()},
                            recompute_reads or {}, direct_reads or {}, transient_bytes or {})
     recomputing = recomputing_at(1.0)
-    simulator = StepSimulator(op_ms, tensors, model)
+    simulator = StepSimulator(op_ms, tensors, device_model)
 
     def greedy_plans(scale: float) -> tuple[list[MemoryDecisions], list[BudgetError]]:
         """The plans the greedy choice finds from each start with the op times scaled, each
         predicted with the op times as they are (and dropped if it then misses the budget)."""
         scaled = recomputing_at(scale) if scale != 1.0 else recomputing
         scaled_simulator = simulator if scale == 1.0 else \
-            StepSimulator([ms * scale for ms in op_ms], tensors, model)
+            StepSimulator([ms * scale for ms in op_ms], tensors, device_model)
         starts = [[]]
-        cheap = _cheaper_than_a_swap_in(tensors, model, scaled, candidates)
+        cheap = _cheaper_than_a_swap_in(tensors, device_model, scaled, candidates)
         if cheap:
             starts.append(cheap)
         found, failed = [], []
@@ -333,7 +333,8 @@ def _forget_beyond(cache: dict, size: int) -> None:
         cache.clear()
 
 
-def _cheaper_than_a_swap_in(tensors, model, recomputing: Recomputing, candidates) -> list[str]:
+def _cheaper_than_a_swap_in(tensors, device_model, recomputing: Recomputing,
+                            candidates) -> list[str]:
     """SuperNeurons' start: every kept tensor whose recomputation takes less time than copying
     it back in (activations and normalizations; where the host link is slow next to the GPU's
     arithmetic, convolution outputs too), largest first, unless what it reads is itself
@@ -344,7 +345,7 @@ def _cheaper_than_a_swap_in(tensors, model, recomputing: Recomputing, candidates
         reads = set(recomputing.reads.get(tensor.name, ()))
         if cost is None or not tensor.bytes or tensor.name in pinned or \
                 (candidates is not None and tensor.name not in candidates) or \
-                cost >= tensor.bytes / model.host_to_device * 1e3 or reads & set(chosen):
+                cost >= tensor.bytes / device_model.host_to_device * 1e3 or reads & set(chosen):
             continue
         chosen.append(tensor.name)
         pinned |= reads
@@ -355,7 +356,7 @@ def _greedy(simulator: StepSimulator, budget_bytes, persistent_bytes,
             recomputing: Recomputing, candidates, prefetch_point, candidates_per_round,
             recomputed: list[str]) -> MemoryDecisions:
     by_name = recomputing.by_name
-    op_ms, model = simulator.durations_list, simulator.model
+    op_ms, device_model = simulator.durations_list, simulator.device_model
     # The tensors a round may choose from, largest first (of equal sizes, in the step's order):
     # each round takes the first few alive at its peak and not chosen yet.
     choosable = sorted((t for t in simulator.table.tensors if t.backward_consumers and t.bytes
@@ -416,7 +417,7 @@ def _greedy(simulator: StepSimulator, budget_bytes, persistent_bytes,
             raise BudgetError(budget_bytes, lowest)
         for tensor in alive:
             first_use = needed_by(tensor, due)
-            for prefetch in {latest_hiding_prefetch(tensor, op_ms, model, first_use),
+            for prefetch in {latest_hiding_prefetch(tensor, op_ms, device_model, first_use),
                              first_use - 1}:
                 prefetch = bring_back(tensor, prefetch)
                 if prefetch < tensor.last_forward_use:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
-from tf_ucudnn.core.units import format_bytes
+from tf_ucudnn.core.units import MIB, format_bytes
 from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.memory.analysis.liveness import (
     LivenessReport,
@@ -29,8 +29,9 @@ from tf_ucudnn.memory.analysis.liveness import (
     buffer_of,
     kernel_scratch_bytes,
 )
-from tf_ucudnn.memory.cost.device_model import DeviceModel, tensor_bytes
-from tf_ucudnn.memory.passes.graph_prefix import cut_candidates, micro_batch_prefix
+from tf_ucudnn.memory.analysis.tensor_use import tensor_bytes
+from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.passes.graph_prefix import cut_candidates, micro_batched_prefix
 from tf_ucudnn.memory.passes.recompute import CLONE, Recompute, insert_recomputes, recomputable
 from tf_ucudnn.memory.passes.swap import Swap, insert_swaps
 from tf_ucudnn.memory.search.greedy import (
@@ -39,13 +40,12 @@ from tf_ucudnn.memory.search.greedy import (
     plan_memory,
     without_cycle_collection,
 )
-
-MIB = 1 << 20
+from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
 
 
 @dataclasses.dataclass
-class MemoryPlan:
-    """What was decided, and the predictions before and after, as plain data."""
+class MemoryPlan(StepMemoryPlan):
+    """The swaps and recomputations decided, and the predictions before and after."""
 
     budget_bytes: int
     liveness: LivenessReport
@@ -53,8 +53,14 @@ class MemoryPlan:
     swaps: list[Swap]
     recomputes: list[Recompute]
 
+    kind = "swaps_and_recomputations"
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.decisions.prediction.peak_bytes
+
     def to_json(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "unplanned_peak_bytes":
+        return {"kind": self.kind, "budget_bytes": self.budget_bytes, "unplanned_peak_bytes":
                 self.liveness.peak_bytes + self.liveness.persistent_bytes,
                 "decisions": self.decisions.to_json(),
                 "swaps": [dataclasses.asdict(s) for s in self.swaps],
@@ -74,14 +80,15 @@ class MemoryPlan:
                 "ms waiting for transfers")
 
 
-def op_times(graph: tf.Graph, model: DeviceModel, measured_ms: Optional[Mapping[str, float]],
+def op_times(graph: tf.Graph, device_model: DeviceModel,
+             measured_ms: Optional[Mapping[str, float]],
               step_ms: Optional[float]) -> list[float]:
     """Each op's time: measured where given, else the device model's roofline, scaled so that
     the step takes `step_ms` (a measurement of the whole step) if that is given."""
     measured_ms = measured_ms or {}
     operations = graph.get_operations()
     unmeasured = [op for op in operations if op.name not in measured_ms]
-    estimated = dict(zip((op.name for op in unmeasured), model.ops_ms(unmeasured)))
+    estimated = dict(zip((op.name for op in unmeasured), device_model.ops_ms(unmeasured)))
     scale = 1.0
     if step_ms is not None and estimated:
         rest = step_ms - sum(measured_ms.get(op.name, 0.0) for op in operations)
@@ -152,7 +159,7 @@ def _recompute_chains(graph: tf.Graph, report: LivenessReport,
 
 
 @without_cycle_collection
-def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
+def plan_step_memory(function, budget_bytes: int, device_model: DeviceModel,
                      measured_ms: Optional[Mapping[str, float]] = None,
                      step_ms: Optional[float] = None) -> MemoryPlan:
     """Plans a training step's memory (a ConcreteFunction with its gradient ops). `measured_ms`
@@ -160,7 +167,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
     calibrates the others."""
     graph = function.graph
     report = analyze(function)
-    op_ms = op_times(graph, model, measured_ms, step_ms)
+    op_ms = op_times(graph, device_model, measured_ms, step_ms)
     chains = _recompute_chains(graph, report, op_ms)
     operations = graph.get_operations()
 
@@ -197,7 +204,7 @@ def plan_step_memory(function, budget_bytes: int, model: DeviceModel,
             index -= 1
         return index
 
-    decisions = plan_memory(op_ms, report.tensors, model, budget_bytes,
+    decisions = plan_memory(op_ms, report.tensors, device_model, budget_bytes,
                             persistent_bytes=report.persistent_bytes,
                             recompute_ms={name: chain.cost_ms for name, chain in chains.items()},
                             recompute_reads={name: chain.reads for name, chain in chains.items()},
@@ -477,14 +484,14 @@ def plan_step_with_prefix(function, budget_bytes: int, device_model: DeviceModel
                           cuts: Optional[Iterable[str]] = None):
     """A training step (a ConcreteFunction) planned to fit `budget_bytes`, as a tf.function with
     its PrefixStepPlan. Its swaps and recomputations are planned first; if no such plan fits,
-    its ops up to a cut run in micro-batches too (`graph_prefix.micro_batch_prefix`): the first
+    its ops up to a cut run in micro-batches too (`graph_prefix.micro_batched_prefix`): the first
     of `cuts` (tensors; by default the forward poolings' outputs, shallowest first) at which the
     plan fits, in whichever of `micro_batches` gives the shortest predicted step, as
     `plan_keras_step` does for a Keras model. BudgetError, with the smallest shortfall, if
     nothing fits; its message lists what was tried."""
     def trace(cut: Optional[str], count: int):
         return function if cut is None else \
-            micro_batch_prefix(function, cut, count).get_concrete_function()
+            micro_batched_prefix(function, cut, count).get_concrete_function()
 
     found = plan_with_micro_batches(trace, budget_bytes, device_model, step_ms,
                                     cut_candidates(function, cuts), micro_batches)

@@ -293,7 +293,7 @@ def run_with_batch_statistics(prefix: Prefix, x, micro_batches: int,
     return output
 
 
-def microbatched_model_call(prefix: Prefix, micro_batches: int):
+def micro_batched_model_call(prefix: Prefix, micro_batches: int):
     """A call `f(x)` of the whole model, its prefix run in micro-batches."""
     run = run_with_batch_statistics if prefix.normalization is not None else (
         lambda prefix, x, count: run_in_micro_batches(prefix.head, x, count))
@@ -307,7 +307,7 @@ def microbatched_model_call(prefix: Prefix, micro_batches: int):
 def micro_batched_calls(model: tf.keras.Model, layer: str, micro_batches: int):
     """Within the block, calling `model` (as its own train_step does) runs the layers up to
     `layer` in micro-batches; for tracing a step the model's owner wrote."""
-    call = microbatched_model_call(cut(model, layer), micro_batches)
+    call = micro_batched_model_call(cut(model, layer), micro_batches)
     model.__dict__["call"] = lambda inputs, training=None, **kwargs: call(inputs, training)
     try:
         yield

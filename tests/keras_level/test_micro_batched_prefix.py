@@ -6,7 +6,7 @@ import tensorflow as tf
 from training_steps import SLOW_LINK, assert_same_step, pooled_conv_model
 
 from tf_ucudnn.core.errors import PrefixError
-from tf_ucudnn.keras.microbatched_prefix import cut, microbatched_model_call
+from tf_ucudnn.keras.micro_batched_prefix import cut, micro_batched_model_call
 from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.search.greedy import BudgetError
@@ -35,14 +35,14 @@ def _gradient_step(model, batch, forward):
 def test_the_step_in_micro_batches_gives_the_same_loss_and_gradients(layer, micro_batches):
     model = pooled_conv_model()
     plain = _gradient_step(model, 8, lambda x: model(x, training=True))
-    micro = _gradient_step(model, 8, microbatched_model_call(cut(model, layer), micro_batches))
+    micro = _gradient_step(model, 8, micro_batched_model_call(cut(model, layer), micro_batches))
     assert_same_step(plain, micro, rtol=1e-5, atol=1e-6)
 
 
 def test_only_one_micro_batch_is_held_at_a_time():
     model = pooled_conv_model()
     prefix = cut(model, "pool2")
-    step = _gradient_step(model, 16, microbatched_model_call(prefix, 4))
+    step = _gradient_step(model, 16, micro_batched_model_call(prefix, 4))
     report = analyze(step)
     # The micro-batches' recomputations belong to the backward pass (they wait for the
     # output's gradient), so nothing of the prefix but its output is kept from the forward.
@@ -88,7 +88,7 @@ def test_a_stem_with_batch_normalization_runs_in_micro_batches_with_the_whole_ba
     norm.moving_mean.assign(moving[0])
     norm.moving_variance.assign(moving[1])
     micro_loss, micro_gradients = _loss_and_gradients(
-        model, microbatched_model_call(prefix, micro_batches))(x, y)
+        model, micro_batched_model_call(prefix, micro_batches))(x, y)
     np.testing.assert_allclose(micro_loss.numpy(), loss.numpy(), rtol=1e-6)
     for variable, a, b in zip(model.trainable_variables, micro_gradients, gradients):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6,
@@ -106,7 +106,7 @@ def test_a_stem_holds_one_micro_batch_of_its_activations_at_a_time():
     def step(forward):
         return _loss_and_gradients(model, forward).get_concrete_function(
             tf.TensorSpec([16, 16, 16, 3]), tf.TensorSpec([16], tf.int32))
-    micro = step(microbatched_model_call(prefix, 4))
+    micro = step(micro_batched_model_call(prefix, 4))
     whole = step(lambda x: model(x, training=True))
     convolutions = [op for op in micro.graph.get_operations()
                     if op.type == "Conv2D" and "conv1" in op.name]
@@ -148,7 +148,7 @@ def test_plan_keras_step_runs_the_first_layers_in_micro_batches_when_it_must():
     peak = plan_step_memory(keras_training_step(model, 16), 1 << 40,
                             SLOW_LINK).decisions.prediction.peak_bytes
     step, plan = plan_keras_step(model, 16, int(peak * 0.4), SLOW_LINK)
-    assert plan.micro_batched_until == "pool1" and plan.micro_batches in (4, 8)
+    assert plan.prefix_end == "pool1" and plan.micro_batches in (4, 8)
     assert plan.passed_over[0].startswith("whole batches:") and "MiB over" in plan.passed_over[0]
     assert plan.plan.decisions.prediction.peak_bytes <= int(peak * 0.4)
     x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
@@ -164,7 +164,7 @@ def test_plan_keras_step_runs_the_first_layers_in_micro_batches_when_it_must():
         assert w.numpy() == pytest.approx(value, rel=1e-4, abs=1e-6)
     # Enough room without micro-batches: none.
     _, roomy = plan_keras_step(model, 16, peak, SLOW_LINK)
-    assert roomy.micro_batched_until is None and not roomy.passed_over
+    assert roomy.prefix_end is None and not roomy.passed_over
     with pytest.raises(BudgetError, match="tried: whole batches: .*; up to pool1 in 4"):
         plan_keras_step(model, 16, 1 << 10, SLOW_LINK)
 
@@ -174,7 +174,7 @@ def test_plan_keras_step_runs_a_stem_with_batch_normalization_in_micro_batches()
     peak = plan_step_memory(keras_training_step(model, 16), 1 << 40,
                             SLOW_LINK).decisions.prediction.peak_bytes
     step, plan = plan_keras_step(model, 16, int(peak * 0.5), SLOW_LINK)
-    assert plan.micro_batched_until == "pool1"
+    assert plan.prefix_end == "pool1"
     assert plan.plan.decisions.prediction.peak_bytes <= int(peak * 0.5)
     x = tf.random.stateless_normal([16, 16, 16, 3], seed=[3, 4])
     y = tf.range(16) % 4
@@ -188,5 +188,5 @@ def test_plan_keras_step_runs_a_stem_with_batch_normalization_in_micro_batches()
         np.testing.assert_allclose(w.numpy(), value, rtol=1e-4, atol=1e-6, err_msg=w.path)
     # Asked not to try whole batches: the stem in micro-batches though whole batches fit.
     _, asked = plan_keras_step(model, 16, peak, SLOW_LINK, whole_batches=False)
-    assert asked.micro_batched_until == "pool1"
+    assert asked.prefix_end == "pool1"
     assert asked.passed_over == ["whole batches: not tried, as asked"]
