@@ -145,6 +145,7 @@ class PeakTrace(keras.callbacks.Callback):
 
 def _train(name: str, args) -> dict:
     keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy(args.precision)
     model = models.load_model(name)
     model.compile(keras.optimizers.SGD(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -221,7 +222,7 @@ def run(args) -> None:
              if gpus and tf_ucudnn.gpu_kernels_available() else None)
     results = {"label": args.label, "device": device, "tensorflow": tf.__version__,
                "cudnn": cudnn,
-               "batch": args.batch, "dtype": "float32",
+               "batch": args.batch, "precision": args.precision,
                "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
                "TF_CUDNN_WORKSPACE_LIMIT_IN_MB": os.environ.get("TF_CUDNN_WORKSPACE_LIMIT_IN_MB"),
                "callback_workspace_limit": args.callback, "xla_margin": args.xla_margin,
@@ -273,8 +274,13 @@ def combine(args) -> None:
                              f"{' / '.join(f'{r:.1%}' for r in row['vs_baseline'])} | "
                              f"{row['median_vs_baseline']:.1%}")
     print(f"against {args.baseline}\n" + "\n".join(lines))
+    # Each configuration's first epoch (tracing, compiling, and the callback's profiling, planning
+    # and step trial), per model.
+    first_epoch_s = {run_["label"]: {name: round(row["epoch_seconds"][0], 1)
+                                     for name, row in run_["models"].items()} for run_ in runs}
     with open(args.out, "w") as out:
-        json.dump({"benchmark": "keras_training", "baseline": args.baseline, "table": table,
+        json.dump({"benchmark": "keras_training", "baseline": args.baseline,
+                   "first_epoch_s": first_epoch_s, "table": table,
                    "against_own_round": repeats, "runs": runs}, out, indent=1)
 
 
@@ -334,6 +340,8 @@ def main():
     one.add_argument("--prefetch-to-device", action="store_true",
                      help="feed fit tf.data's prefetch_to_device, two batches ahead")
     one.add_argument("--jit-compile", choices=["auto", "on", "off"], default="auto")
+    one.add_argument("--precision", choices=["float32", "mixed_bfloat16"], default="float32",
+                     help="Keras's dtype policy for the model")
     one.add_argument("--database", default="/tmp/tf_ucudnn_profiles.sqlite")
     one.add_argument("--profiles", nargs="*", default=[],
                      help="JSON-lines profiles to import first (measured earlier on this GPU)")

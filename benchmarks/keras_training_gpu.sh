@@ -17,12 +17,16 @@
 #   tf_ucudnn_64mib_no_prefetch  (only when named) the callback copying no batch ahead
 #   tf_default_prefetch_to_device  (only when named) Keras's defaults, fed through tf.data's
 #                     prefetch_to_device: what a user could write instead of the callback's copies
+#   tf_ucudnn_64mib_rerun  (only when named, after tf_ucudnn_64mib) the callback again, in a new
+#                     process over the profile database tf_ucudnn_64mib left: a second run
 # It outlasts one call of the device tool, so it runs in the background and later calls wait:
 #   bash benchmarks/keras_training_gpu.sh start [configuration ...]   (default: all)
 #   bash benchmarks/keras_training_gpu.sh wait SECONDS                (until it says "finished")
 # PROFILES names the profile records (JSONL, absolute paths) the runs import (default: the NHWC
-# legacy records at batch 128); what they lack, the callback measures on the GPU. STEPS and EPOCHS
-# set each run's length (30 steps, 3 epochs, the first not timed). REPEATS=N runs the whole list N
+# legacy records at batch 128); what they lack, the callback measures on the GPU. With
+# FRESH_DATABASE=1 each configuration starts from an empty database of its own instead, importing
+# nothing (what a new user has). PRECISION=mixed_bfloat16 trains in Keras's bf16 policy. STEPS and
+# EPOCHS set each run's length (30 steps, 3 epochs, the first not timed). REPEATS=N runs the whole list N
 # times in turn (the runs after the first labelled _r2, _r3, ...), as XLA's autotuner may choose
 # differently in each process.
 # The two rows without XLA at 64 MiB also profile one step after the timed epochs, to say what is
@@ -38,7 +42,7 @@ mkdir -p "$out"
 
 copy_back() {
   # One archive: the device tool brings back only a few files a call.
-  (cd "$run" && tar czf "$out/keras_training_run.tgz" $(ls *.log *.json table.txt 2>/dev/null))
+  (cd "$run" && tar czf "$out/$(basename "$run").tgz" $(ls *.log *.json table.txt 2>/dev/null))
   grep -h " img/s" "$run"/*.log 2>/dev/null | tail -20
   [ -f "$run/table.txt" ] && cat "$run/table.txt"
 }
@@ -52,6 +56,11 @@ configurations() {
     for config in $list; do
       limit=64 options=() label=$config
       [ "$repeat" -gt 1 ] && label=${config}_r$repeat
+      database=$run/profiles.sqlite imports=(--profiles $profiles)
+      if [ -n "${FRESH_DATABASE:-}" ]; then
+        database=$run/$label.sqlite imports=()
+        [ "$config" = tf_ucudnn_64mib_rerun ] && database=$run/tf_ucudnn_64mib.sqlite
+      fi
       case $config in
         tf_default) limit= ;;
         tf_default_noxla) limit= options=(--jit-compile off) ;;
@@ -63,14 +72,14 @@ configurations() {
         tf_ucudnn_64mib_bn_keras) limit= options=(--callback 64MiB --fuse-batch-norm keras) ;;
         tf_ucudnn_64mib_no_prefetch) limit= options=(--callback 64MiB --prefetch-batches 0) ;;
         tf_default_prefetch_to_device) limit= options=(--prefetch-to-device) ;;
+        tf_ucudnn_64mib_rerun) limit= options=(--callback 64MiB) ;;
         *) echo "unknown configuration $config"; exit 2 ;;
       esac
       env ${limit:+TF_CUDNN_WORKSPACE_LIMIT_IN_MB=$limit} \
         python3 benchmarks/keras_training.py run \
         --models ${MODELS:-vgg16 resnet50} --batch "${BATCH:-128}" --steps "${STEPS:-30}" \
-        --epochs "${EPOCHS:-3}" --database "$run/profiles.sqlite" \
-        --profiles $profiles \
-        "${options[@]}" --label "$label" --out "$run/$label.json" \
+        --epochs "${EPOCHS:-3}" --precision "${PRECISION:-float32}" --database "$database" \
+        "${imports[@]}" "${options[@]}" --label "$label" --out "$run/$label.json" \
         2>&1 | grep --line-buffered -v "^W0000\|^I0000" > "$run/$label.log"
     done
   done
