@@ -28,8 +28,7 @@ from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 __all__ = [
     "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KerasOptions", "KernelPlan",
     "LayerPlan", "MicroBatch", "MicroBatchCallback", "Options", "OptionsError", "RewriteReport",
-    "TfUcudnnError",
-    "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input",
-    "conv3d", "conv3d_backprop_filter", "conv3d_backprop_input",
-    "engines_available", "gpu_kernels_available", "load_ops", "memory", "parallel", "rewrite",
+    "TfUcudnnError", "conv2d", "conv2d_backprop_filter", "conv2d_backprop_input", "conv3d",
+    "conv3d_backprop_filter", "conv3d_backprop_input", "engines_available",
+    "gpu_kernels_available", "load_ops", "memory", "parallel", "rewrite",
 ]

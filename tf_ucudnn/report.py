@@ -9,7 +9,7 @@ from typing import Optional
 
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.plan import LayerPlan
-from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
+from tf_ucudnn.core.step_memory_plan import StepMemoryPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class RewriteReport:
     fused: list = dataclasses.field(default_factory=list)
     not_fused: list = dataclasses.field(default_factory=list)
     spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
-    # The memory plan, when one was made (a tf_ucudnn.memory.step_memory_plan.StepMemoryPlan).
+    # The memory plan, when one was made (a tf_ucudnn.core.step_memory_plan.StepMemoryPlan).
     memory: Optional[StepMemoryPlan] = None
     # With a MemoryPlan, a tf_ucudnn.memory.search.step_plan.PrefixStepPlan: the ops run in
     # micro-batches, if any, and the choices passed over.

@@ -29,11 +29,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import TfUcudnnError
+from tf_ucudnn.core.step_memory_plan import StepMemoryPlan
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.keras.micro_batched_prefix import batch_dependent_layers
 from tf_ucudnn.memory.analysis.compiled_buffers import CompiledBuffersError, compiled_buffers
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
 from tf_ucudnn.options import BATCH_NORM_STATISTICS
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
+from tf_ucudnn.core.step_memory_plan import StepMemoryPlan
 from tf_ucudnn.core.units import MIB, format_bytes
 from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.memory.analysis.liveness import (
@@ -40,7 +41,6 @@ from tf_ucudnn.memory.search.greedy import (
     plan_memory,
     without_cycle_collection,
 )
-from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
 
 
 @dataclasses.dataclass
