@@ -61,7 +61,7 @@ from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.analysis.timeline import write_timeline_png
+from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.options import Options, OptionsError
 from tf_ucudnn.profiling import (
@@ -415,9 +415,8 @@ def _memory_command(args) -> int:
           f"{keras_plan.micro_batches} micro-batches" if keras_plan.micro_batched_until
           else "  whole batches")
     if args.png:
-        write_timeline_png(args.png, plan.liveness, options.memory_budget,
-                           plan.decisions.prediction.peak_bytes,
-                           f"{args.model}, batch {args.batch}", unplanned=unplanned)
+        write_timeline_png(args.png, memory_timeline(plan, unplanned),
+                           f"{args.model}, batch {args.batch}")
         print(f"wrote {args.png}")
     if args.json:
         _write_json(args.json, {"model": args.model, "batch": args.batch,
