@@ -399,3 +399,10 @@ def test_memory_command_fails_in_one_line(tmp_path, capsys):
     assert main(["memory", model, "--batch", "64", "--memory-budget", "8MiB",
                  "--png", str(tmp_path)]) == 2
     assert f"--png {tmp_path}: a directory, not a file" in capsys.readouterr().err
+
+
+def test_memory_command_gives_an_application_a_loss_on_its_probabilities(capsys, recwarn):
+    # keras.applications' classifiers end in a softmax: a loss on logits would warn.
+    assert main(["memory", "mobilenetv3small", "--batch", "2", "--memory-budget", "1GiB"]) == 0
+    assert "memory plan for a 1 GiB budget" in capsys.readouterr().out
+    assert [str(w.message) for w in recwarn if "from_logits" in str(w.message)] == []
