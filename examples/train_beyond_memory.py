@@ -13,7 +13,7 @@ import numpy as np
 import tf_ucudnn
 from tf_ucudnn.keras import keras_training_step
 from tf_ucudnn.memory import DeviceModel, analyze
-from tf_ucudnn.memory.analysis.timeline import write_timeline_png
+from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
 
 BATCH = 64
 
@@ -57,11 +57,8 @@ def main(png: str) -> tf_ucudnn.MicroBatchCallback:
                         callbacks=[callback])
     print("losses:", [round(loss, 4) for loss in history.history["loss"]])
 
-    plan = callback.memory_plan.plan
-    write_timeline_png(png, plan.liveness, budget_bytes=budget,
-                       planned_peak_bytes=plan.decisions.prediction.peak_bytes,
-                       title=f"small CNN, batch {BATCH}, budget {budget / 2**20:.1f} MiB",
-                       unplanned=unplanned)
+    write_timeline_png(png, memory_timeline(callback.memory_plan.plan, unplanned),
+                       title=f"small CNN, batch {BATCH}")
     print(f"wrote {png}")
     return callback
 

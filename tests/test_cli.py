@@ -17,11 +17,12 @@ from savedmodel.test_converter import conv_model
 
 from tf_ucudnn.cli import main
 from tf_ucudnn.core.plan import KERNELS
+from tf_ucudnn.core.units import MIB
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.profiling import ProfileDatabase, packaged_profiles, read_jsonl
 from tf_ucudnn.profiling.records import ProfileRecord, write_jsonl
 
-MIB = 1 << 20
+
 H100 = "NVIDIA H100 80GB HBM3"
 
 
@@ -79,8 +80,8 @@ def test_plan_without_measurements_says_what_is_missing(tmp_path, capsys):
     assert code == 2
     note, error = capsys.readouterr().err.splitlines()
     assert "imported the 5778 packaged ones" in note
-    assert re.match(f"tf-ucudnn plan: no measurements of 15 kernel.* at batch 256 on {H100}",
-                    error)
+    assert re.match(f"tf-ucudnn plan: no measurements of 5 of the 5 convolution.* at batch 256 "
+                    f"on {H100}", error)
 
 
 def test_plan_with_several_machines_asks_which(tmp_path, capsys):
@@ -121,6 +122,57 @@ def _synthetic_profiles(model, batch, path, device="Test GPU"):
         for algo in (0, 1)]
     write_jsonl(path, records)
     return records
+
+
+def test_plan_shows_the_layers_xla_keeps(tmp_path, capsys):
+    model = conv_model()
+    model.save(tmp_path / "model.keras")
+    records = _synthetic_profiles(model, 6, tmp_path / "even.jsonl")
+    # The first layer runs 4x slower per sample on more than 3 samples at once: micro-batches
+    # beat XLA's undivided convolution there; elsewhere they gain nothing on it.
+    first = records[0].geometry
+    write_jsonl(tmp_path / "profiles.jsonl", [
+        dataclasses.replace(r, time_ms=r.time_ms * 4)
+        if r.geometry == first and r.batch_size > 3 else r for r in records])
+    arguments = ["plan", str(tmp_path / "model.keras"), "--batch", "6",
+                 "--database", str(tmp_path / "db.sqlite"),
+                 "--profiles", str(tmp_path / "profiles.jsonl")]
+    assert main([*arguments, "--compare-with-xla", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "own: 2 layer(s) keep TensorFlow's or XLA's own convolution" in out
+    # Three kernels of 1.21 ms undivided (algorithm 1), against 1.22 ms in 4 + 2 samples.
+    assert out.count("XLA's own convolution is predicted as fast or faster: 3.630 ms undivided "
+                     "with any workspace, against 3.660 ms planned") == 2
+    rows = json.loads((tmp_path / "plan.json").read_text())["kernels"]
+    assert [row["left_alone"] is None for row in rows] == [True] * 3 + [False] * 6
+    assert all(len(row["micro_batches"]) == 2 for row in rows[:3])  # 3 + 3 samples
+    assert all(len(row["micro_batches"]) == 1 for row in rows[3:])  # XLA's, on all 6
+    assert main(arguments) == 0
+    assert "own:" not in capsys.readouterr().out
+
+
+def test_plan_in_the_dynamic_allocator_mode_fits_beside_the_training_step(tmp_path, capsys):
+    from tf_ucudnn.conv_planning.plan_report import layer_label, training_live_bytes
+    from tf_ucudnn.keras.planned_step import keras_training_step
+
+    model = conv_model()
+    model.save(tmp_path / "model.keras")
+    _synthetic_profiles(model, 6, tmp_path / "profiles.jsonl")
+    budget = 4 << 20
+    assert main(["plan", str(tmp_path / "model.keras"), "--batch", "6", "--mode",
+                 "dynamic_allocator", "--workspace-budget", str(budget), "--json",
+                 str(tmp_path / "plan.json"), "--database", str(tmp_path / "db.sqlite"),
+                 "--profiles", str(tmp_path / "profiles.jsonl")]) == 0
+    assert "dynamic_allocator, budget 4 MiB" in capsys.readouterr().out
+    # Each kernel's workspace fits beside what the training step holds as it runs.
+    step = keras_training_step(tf.keras.models.load_model(tmp_path / "model.keras"), 6)
+    live = {(layer_label(layer), kernel): size for (layer, kernel), size
+            in training_live_bytes(step, find_conv_layers(step.graph)[0]).items()}
+    rows = json.loads((tmp_path / "plan.json").read_text())["kernels"]
+    assert len(rows) == 9
+    for row in rows:
+        assert row["workspace_limit_bytes"] == budget - live[(row["layer"], row["kernel"])]
+        assert row["workspace_bytes"] <= row["workspace_limit_bytes"]
 
 
 def test_convert_command_round_trip(tmp_path, capsys):
@@ -399,3 +451,10 @@ def test_memory_command_fails_in_one_line(tmp_path, capsys):
     assert main(["memory", model, "--batch", "64", "--memory-budget", "8MiB",
                  "--png", str(tmp_path)]) == 2
     assert f"--png {tmp_path}: a directory, not a file" in capsys.readouterr().err
+
+
+def test_memory_command_gives_an_application_a_loss_on_its_probabilities(capsys, recwarn):
+    # keras.applications' classifiers end in a softmax: a loss on logits would warn.
+    assert main(["memory", "mobilenetv3small", "--batch", "2", "--memory-budget", "1GiB"]) == 0
+    assert "memory plan for a 1 GiB budget" in capsys.readouterr().out
+    assert [str(w.message) for w in recwarn if "from_logits" in str(w.message)] == []

@@ -1,10 +1,12 @@
 """The `tf-ucudnn` command.
 
     tf-ucudnn plan MODEL --batch 256 [--workspace-limit 64MiB |
-                                      --workspace-budget 512MiB --mode MODE]
+                                      --workspace-budget 512MiB --mode MODE] [--compare-with-xla]
 
 prints, per layer and kernel, the micro-batches and algorithms chosen, their predicted time and
-workspace, against the best undivided algorithm under the same limit.
+workspace, against the best undivided algorithm under the same limit, as the rewrite plans them
+(`DatabasePlanner`); with --compare-with-xla, which layers keep XLA's own convolution. The
+dynamic_allocator mode fits each kernel's workspace beside what the training step holds then.
 
     tf-ucudnn convert IN_DIR OUT_DIR --batch-size 128 --workspace-limit 64MiB
 
@@ -39,31 +41,25 @@ import os
 import sys
 from typing import Optional, Sequence
 
-import tensorflow as tf
-from tensorflow.python.framework import config as tf_config
-
-from tf_ucudnn.conv_planning.database_planner import resolve_machine
-from tf_ucudnn.conv_planning.kernel_dp import NoFeasiblePlanError, pareto_configurations
-from tf_ucudnn.conv_planning.network_ilp import (
-    DYNAMIC_ALLOCATOR,
-    MODES,
-    InfeasibleBudgetError,
-    KernelOptions,
-    optimize_network,
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner, resolve_machine
+from tf_ucudnn.conv_planning.network_ilp import DYNAMIC_ALLOCATOR, MODES
+from tf_ucudnn.conv_planning.plan_report import (
+    PlanError,
+    database_report,
+    layer_label,
+    training_live_bytes,
 )
-from tf_ucudnn.conv_planning.plan_report import PlanReport, kernel_limit_report, network_report
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.files import written_whole
-from tf_ucudnn.core.plan import DIRECT, KERNELS
 from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.analysis.timeline import write_timeline_png
+from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel
-from tf_ucudnn.options import Options, OptionsError
+from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError
 from tf_ucudnn.profiling import (
     POLICIES,
     POWER_OF_TWO,
@@ -73,94 +69,17 @@ from tf_ucudnn.profiling import (
     packaged_profiles,
     read_jsonl,
 )
-from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
+from tf_ucudnn.profiling.profiler import current_machine, profile
 from tf_ucudnn.profiling.records import PACKAGED_PROFILES_DIR
 from tf_ucudnn.savedmodel.converter import Converter
 
 PER_KERNEL = "per_kernel"
 
 
-class PlanError(TfUcudnnError, RuntimeError):
-    """Why no plan could be made, for the command line to print."""
-
-
-def _layer_label(layer: ConvLayer) -> str:
-    return layer.name.removesuffix("/convolution").removesuffix("/Conv2D")
-
-
-def make_report(layers: Sequence[ConvLayer], database: ProfileDatabase, machine: Machine, *,
-                batch_size: int, mode: str, limit_bytes: int, deterministic: bool,
-                live_bytes: Optional[dict] = None, call_overhead_ms: float = 0.0) -> PlanReport:
-    """Plans every kernel of every layer from the database's measurements."""
-    tables, missing = {}, []
-    for layer in layers:
-        geometry = layer.cudnn_geometry()
-        for kernel in KERNELS:
-            timings = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
-            if batch_size not in timings:
-                missing.append(f"{_layer_label(layer)}/{kernel} ({geometry})")
-            tables[(_layer_label(layer), kernel)] = timings
-    if missing:
-        raise PlanError(f"no measurements of {len(missing)} kernel(s) at batch {batch_size} on "
-                        f"{machine.device} (cuDNN {machine.cudnn_version}), e.g. "
-                        f"{'; '.join(missing[:3])}. Measure them with this command on that GPU, "
-                        "or import a profile file with --profiles")
-    if mode == PER_KERNEL:
-        return kernel_limit_report(tables, batch_size, limit_bytes,
-                                   deterministic_only=deterministic,
-                                   call_overhead_ms=call_overhead_ms)
-
-    def options(undivided: bool):
-        # The baseline: one call per kernel, as TensorFlow's own convolution runs it.
-        sizes, form = ([batch_size], DIRECT) if undivided else (None, None)
-        return [KernelOptions(layer, kernel, pareto_configurations(
-                    kernel, timings, batch_size, deterministic_only=deterministic,
-                    micro_batch_sizes=sizes, call_overhead_ms=call_overhead_ms,
-                    form=form),
-                    (live_bytes or {}).get((layer, kernel), 0))
-                for (layer, kernel), timings in tables.items()]
-
-    plan = optimize_network(options(False), limit_bytes, mode)
-    try:
-        baseline = optimize_network(options(True), limit_bytes, mode)
-    except (InfeasibleBudgetError, NoFeasiblePlanError):
-        baseline = None
-    return network_report(plan, baseline)
-
-
-def training_live_bytes(layers: Sequence[ConvLayer]) -> dict:
-    """Bytes of tensors live at each kernel of a training step, for the dynamic_allocator mode.
-
-    A simple model: the forward pass keeps each convolution's input for the backward pass; the
-    backward pass runs in reverse, freeing them. Each kernel also holds its own operands and
-    result. Issue-level memory planning refines this with real liveness.
-    """
-    def size(shape, dtype):
-        count = 1
-        for dim in shape:
-            count *= dim
-        return count * tf.as_dtype(dtype).size
-
-    inputs = [size(layer.input_shape, layer.dtype) for layer in layers]
-    outputs = []
-    for layer in layers:
-        channels_last = layer.channels_last
-        spatial = layer.output_spatial()
-        shape = ((layer.batch_size, *spatial, layer.filter_shape[-1]) if channels_last
-                 else (layer.batch_size, layer.filter_shape[-1], *spatial))
-        outputs.append(size(shape, layer.dtype))
-    live = {}
-    for i, layer in enumerate(layers):
-        kept = sum(inputs[:i + 1])
-        label = _layer_label(layer)
-        live[(label, "fwd")] = kept + outputs[i]
-        live[(label, "bwd_data")] = kept + outputs[i] + inputs[i]
-        live[(label, "bwd_filter")] = kept + outputs[i] + size(layer.filter_shape, layer.dtype)
-    return live
-
-
-def _conv_layers(args) -> list[ConvLayer]:
-    """MODEL's convolutions at --batch in --dtype, as `plan` and `profile` see them."""
+def _conv_layers(args, training_step: bool = False) -> tuple[list[ConvLayer], Optional[object]]:
+    """MODEL's convolutions at --batch in --dtype, as `plan` and `profile` see them: those of
+    its forward pass or, with `training_step`, of its training step, which comes with them
+    (the dynamic_allocator mode plans with its liveness)."""
     dtype_policy = {"float32": None, "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
     import keras
     previous_policy = keras.config.dtype_policy()
@@ -168,21 +87,23 @@ def _conv_layers(args) -> list[ConvLayer]:
         keras.config.set_dtype_policy(dtype_policy[args.dtype])
     try:
         model = models.load_model(args.model, args.data_format)
-        layers, skipped = find_conv_layers(trace_model(model, args.batch))
+        step = keras_training_step(model, args.batch) if training_step else None
+        layers, skipped = find_conv_layers(trace_model(model, args.batch) if step is None
+                                           else step.graph)
     finally:
         keras.config.set_dtype_policy(previous_policy)
     for name, reason in skipped:
         print(f"left alone: {name}: {reason}", file=sys.stderr)
     if not layers:
         raise PlanError(f"{args.model} has no convolution tf_ucudnn can plan")
-    return layers
+    return layers, step
 
 
 def _geometries(model: str, layers: Sequence[ConvLayer]) -> list:
     """(geometry, label) of each distinct convolution, labelled by its first layer."""
     unique = {}
     for layer in layers:
-        unique.setdefault(layer.cudnn_geometry(), f"{model}.{_layer_label(layer)}")
+        unique.setdefault(layer.cudnn_geometry(), f"{model}.{layer_label(layer)}")
     return list(unique.items())
 
 
@@ -196,7 +117,7 @@ def _plan_command(args) -> int:
     if args.json:
         _check_output_file(args.json, "--json")
     profile_records = _read_profiles(options.profiles)
-    layers = _conv_layers(args)
+    layers, step = _conv_layers(args, training_step=mode == DYNAMIC_ALLOCATOR)
     with _open_database(options.database) as database:
         if options.profiles:
             database.insert(profile_records)
@@ -205,12 +126,14 @@ def _plan_command(args) -> int:
         machine, can_measure = resolve_machine(database, args.device, args.cudnn_version)
         if can_measure:
             profile(_geometries(args.model, layers), args.batch, database, policy=args.policy)
-        report = make_report(
-            layers, database, machine, batch_size=args.batch, mode=mode,
-            limit_bytes=limit,
-            deterministic=args.deterministic or tf_config.is_op_determinism_enabled(),
-            live_bytes=training_live_bytes(layers) if mode == DYNAMIC_ALLOCATOR else None,
-            call_overhead_ms=args.call_overhead_us / 1000)
+        planner = DatabasePlanner(
+            database, limit if mode == PER_KERNEL else None,
+            workspace_budget_bytes=None if mode == PER_KERNEL else limit, machine=machine,
+            measure=False, deterministic_only=args.deterministic or None,
+            call_overhead_ms=args.call_overhead_us / 1000,
+            compare_with_xla=args.compare_with_xla)
+        report = database_report(layers, planner, mode, None if step is None
+                                 else training_live_bytes(step, layers))
     print(f"{args.model}, batch {args.batch}, {len(layers)} convolutions, measurements of "
           f"{machine.device} (cuDNN {machine.cudnn_version})")
     print(report.to_text())
@@ -299,7 +222,8 @@ def _options(args) -> Options:
     """The command's Options: every command spells and reads the sizes the same way."""
     return Options(workspace_limit=args.workspace_limit, workspace_budget=args.workspace_budget,
                    memory_budget=getattr(args, "memory_budget", None),
-                   micro_batches=getattr(args, "micro_batches", (4, 8)), database=args.database,
+                   micro_batches=getattr(args, "micro_batches", Options().micro_batches),
+                   database=args.database,
                    profiles=args.profiles, device=args.device, cudnn_version=args.cudnn_version)
 
 
@@ -339,7 +263,7 @@ def _measure(args, options: Options) -> int:
         raise OptionsError("--device and --cudnn-version go with --import and --export: "
                            f"{args.model} is measured on this machine's GPU")
     machine = current_machine()  # without a GPU, fail before tracing the model
-    geometries = _geometries(args.model, _conv_layers(args))
+    geometries = _geometries(args.model, _conv_layers(args)[0])
     with _open_database(options.database) as database:
         added = profile(geometries, args.batch, database, policy=args.policy)
     print(f"{args.model}, batch {args.batch}: {added} measurement(s) of {len(geometries)} "
@@ -376,8 +300,9 @@ def _add_database_argument(parser: argparse.ArgumentParser) -> None:
 
 def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
     _add_database_argument(parser)
-    parser.add_argument("--workspace-limit", default="64MiB",
-                        help="each kernel's cuDNN workspace limit, e.g. 64MiB (default)")
+    parser.add_argument("--workspace-limit", default=DEFAULT_WORKSPACE_LIMIT,
+                        help="each kernel's cuDNN workspace limit (default "
+                             f"{format_bytes(DEFAULT_WORKSPACE_LIMIT).replace(' ', '')})")
     parser.add_argument("--workspace-budget",
                         help="all kernels' workspaces together, e.g. 512MiB (the ILP plans them)")
     parser.add_argument("--profiles", nargs="*", default=[], help="JSON-lines files to import")
@@ -415,9 +340,8 @@ def _memory_command(args) -> int:
           f"{keras_plan.micro_batches} micro-batches" if keras_plan.prefix_end
           else "  whole batches")
     if args.png:
-        write_timeline_png(args.png, plan.liveness, options.memory_budget,
-                           plan.decisions.prediction.peak_bytes,
-                           f"{args.model}, batch {args.batch}", unplanned=unplanned)
+        write_timeline_png(args.png, memory_timeline(plan, unplanned),
+                           f"{args.model}, batch {args.batch}")
         print(f"wrote {args.png}")
     if args.json:
         _write_json(args.json, {"model": args.model, "batch": args.batch,
@@ -443,6 +367,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    micro_batches = list(Options().micro_batches)
+    counts = " ".join(map(str, micro_batches))
     parser = _Parser(prog="tf-ucudnn", description="micro-batched cuDNN for TensorFlow")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="plan a model's convolutions and print the plan")
@@ -455,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="deterministic algorithms only (implied by TF's op determinism)")
     plan.add_argument("--call-overhead-us", type=float, default=0.0,
                       help="host time of one micro-batch's call, added to cuDNN's timings")
+    plan.add_argument("--compare-with-xla", action="store_true",
+                      help="show which layers keep XLA's own convolution, where a plan is not "
+                           "predicted clearly faster (for a model compiled with XLA)")
     _add_planning_arguments(plan)
     plan.add_argument("--json", help="also write the report here as JSON")
 
@@ -464,9 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--batch-size", type=_positive_int, required=True)
     convert.add_argument("--memory-budget",
                          help="device memory each signature must fit in at --batch-size")
-    convert.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8],
+    convert.add_argument("--micro-batches", nargs="+", type=int, default=micro_batches,
                          help="numbers of micro-batches to try for the ops up to a pooling "
-                              "where the memory budget needs them (default 4 8)")
+                              f"where the memory budget needs them (default {counts})")
     convert.add_argument("--signatures", nargs="*", help="signature keys to convert (default all)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace OUTPUT_DIR if it exists")
@@ -496,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--data-format", choices=["channels_last", "channels_first"],
                         default="channels_last")
     memory.add_argument("--memory-budget", required=True, help="e.g. 12GiB")
-    memory.add_argument("--micro-batches", nargs="+", type=int, default=[4, 8],
-                        help="micro-batch counts the first layers may run in (default 4 8)")
+    memory.add_argument("--micro-batches", nargs="+", type=int, default=micro_batches,
+                        help=f"micro-batch counts the first layers may run in (default {counts})")
     memory.add_argument("--link-gb-s", type=float, default=25.0,
                         help="the host link's speed each way, GB/s (default 25, PCIe 4)")
     memory.add_argument("--png", help="draw the memory timeline here")

@@ -1,6 +1,8 @@
 import json
 
 import pytest
+from conv_planning.test_database_planner import H100, alexnet_layers, database  # noqa: F401
+from savedmodel.test_converter import conv_model
 
 from tf_ucudnn.conv_planning import (
     DYNAMIC_ALLOCATOR,
@@ -13,11 +15,19 @@ from tf_ucudnn.conv_planning import (
     optimize_network,
     pareto_configurations,
 )
-from tf_ucudnn.conv_planning.plan_report import summarize
-from tf_ucudnn.core.plan import Algorithm, KernelPlan, MicroBatch
+from tf_ucudnn.conv_planning.database_planner import DatabasePlanner, kernels_run
+from tf_ucudnn.conv_planning.plan_report import (
+    database_report,
+    layer_label,
+    summarize,
+    training_live_bytes,
+)
+from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan, MicroBatch
+from tf_ucudnn.core.units import MIB
+from tf_ucudnn.graph.conv_layers import find_conv_layers
+from tf_ucudnn.keras.planned_step import keras_training_step
+from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.profiling import AlgorithmTiming
-
-MIB = 1 << 20
 
 
 def test_per_kernel_limit_report_on_the_measurements(fp32_tables):
@@ -104,3 +114,69 @@ def test_json_of_configurations_round_trips():
         configuration
     assert SHARED_WORKSPACE in network_report(
         optimize_network([KernelOptions("c", "fwd", (configuration,))], 2000), None).title
+
+
+def _layer_plans(report, layers):
+    chosen = {(k.layer, k.kernel): k.chosen.plan for k in report.kernels}
+    return [LayerPlan(*(chosen[(layer_label(layer), kernel)] for kernel in KERNELS))
+            for layer in layers]
+
+
+def test_the_database_report_shows_the_planners_plans(database, alexnet_layers):
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100)
+    report = database_report(alexnet_layers, planner)
+    assert report.title == "per-kernel workspace limit 64 MiB, batch 256"
+    assert _layer_plans(report, alexnet_layers) == [planner(layer) for layer in alexnet_layers]
+    conv2_forward = next(k for k in report.kernels
+                         if (k.layer, k.kernel) == (layer_label(alexnet_layers[1]), "fwd"))
+    assert conv2_forward.speedup == pytest.approx(9.97571 / 1.57976)
+    assert all(k.left_alone is None for k in report.kernels)
+
+    budget = DatabasePlanner(database, None, workspace_budget_bytes=512 * MIB, machine=H100)
+    report = database_report(alexnet_layers, budget)
+    assert report.title == "shared_workspace, budget 512 MiB"
+    budget.prepare(alexnet_layers)
+    assert _layer_plans(report, alexnet_layers) == [budget(layer) for layer in alexnet_layers]
+    assert sum(k.chosen.workspace_bytes for k in report.kernels) <= 512 * MIB
+    assert report.total_undivided_time_ms > report.total_time_ms
+
+
+def test_the_layers_xla_keeps_run_as_xla_would(database, alexnet_layers):
+    planner = DatabasePlanner(database, 64 * MIB, machine=H100, compare_with_xla=True)
+    report = database_report(alexnet_layers, planner)
+    for layer in alexnet_layers:
+        rows = {k.kernel: k for k in report.kernels if k.layer == layer_label(layer)}
+        reason = planner(layer)
+        assert isinstance(reason, str)  # within 64 MiB, no plan beats XLA's by 10% here
+        assert {row.left_alone for row in rows.values()} == {reason}
+        # Each kernel as XLA's autotuner would run it: undivided, at any workspace.
+        assert all(row.chosen.plan.sizes == (256,) for row in rows.values())
+        assert sum(rows[kernel].chosen.time_ms for kernel in kernels_run(layer)) == \
+            pytest.approx(planner.predict(layer).xla_ms)
+    text = report.to_text()
+    assert "own: 5 layer(s) keep TensorFlow's or XLA's own convolution" in text
+    assert f"  {layer_label(alexnet_layers[1])}: XLA's own convolution is predicted" in text
+    assert json.loads(json.dumps(report.to_json()))["kernels"][0]["left_alone"].startswith(
+        "XLA's own convolution is predicted as fast or faster")
+
+
+def test_training_live_bytes_are_the_liveness_at_each_kernel():
+    model = conv_model()
+    step = keras_training_step(model, 6)
+    layers = find_conv_layers(step.graph)[0]
+    live = training_live_bytes(step, layers)
+    report = analyze(step)
+    held = {op.name: op.live_bytes + report.persistent_bytes for op in report.ops}
+    # Every kernel of every layer, each no more than the step holds there (its scratch aside).
+    assert set(live) == {(layer, kernel) for layer in layers for kernel in KERNELS}
+    operations = step.graph.get_operations()
+    for (layer, kernel), size in live.items():
+        op = {"fwd": layer.name}.get(kernel) or next(
+            o.name for o in operations if o.name.startswith(f"gradient_tape/{layer.name}/")
+            and o.type == {"bwd_data": "Conv2DBackpropInput",
+                           "bwd_filter": "Conv2DBackpropFilter"}[kernel])
+        assert report.persistent_bytes < size <= held[op]
+    # The first backward kernel (the last layer's filter gradient) runs beside every tensor
+    # the forward pass keeps.
+    kept = sum(t.bytes for t in report.kept())
+    assert live[(layers[-1], "bwd_filter")] >= kept + report.persistent_bytes

@@ -18,17 +18,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import Iterable, Optional, Union
+from typing import Iterable, Mapping, Optional, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
 from tf_ucudnn.conv_planning.kernel_dp import (
+    KernelConfiguration,
     NoFeasiblePlanError,
     fastest_configuration,
     pareto_configurations,
 )
-from tf_ucudnn.conv_planning.network_ilp import SHARED_WORKSPACE, KernelOptions, optimize_network
+from tf_ucudnn.conv_planning.network_ilp import (
+    SHARED_WORKSPACE,
+    KernelOptions,
+    NetworkPlan,
+    optimize_network,
+)
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import BACKPROP_INPUT, DIRECT, KERNELS, Algorithm, LayerPlan
@@ -165,33 +171,63 @@ class DatabasePlanner:
         """
         if self.workspace_budget_bytes is None:
             return
-        self._network_plans = {}
-        planned, options = [], []
-        for layer in dict.fromkeys(layers):
+        self._network_plans = {}  # a prepare that fails keeps no plans of one before
+        layers = tuple(dict.fromkeys(layers))
+        names = tuple(map(str, range(len(layers))))
+        options, reasons = self._network_options(layers, names, {}, undivided=False)
+        self._network_plans = dict(reasons)
+        if options:
+            plan = optimize_network(options, self.workspace_budget_bytes, SHARED_WORKSPACE)
+            self._network_plans = NetworkPlanning(plan, layers, names, reasons).layer_plans()
+
+    def plan_network(self, layers: Iterable[ConvLayer], mode: str = SHARED_WORKSPACE,
+                     live_bytes: Optional[Mapping[tuple[ConvLayer, str], int]] = None,
+                     undivided: bool = False,
+                     names: Optional[Mapping[ConvLayer, str]] = None) -> "NetworkPlanning":
+        """The layers planned together under the workspace budget, as `prepare` plans them, in
+        either of the ILP's modes (`network_ilp`): `live_bytes` gives the bytes held beside each
+        (layer, kernel) as it runs, for the dynamic_allocator mode. With `undivided`, each
+        kernel runs in one call on the whole batch, as TensorFlow's own convolution does: the
+        baseline a plan is measured against. `names` gives each layer's name in the plan and
+        its errors (by default, its position). What `__call__` gives is left as it was.
+
+        Raises InfeasibleBudgetError, saying by how much, when the budget cannot be met.
+        """
+        if self.workspace_budget_bytes is None:
+            raise ValueError("plan_network needs a planner with a workspace budget")
+        layers = tuple(dict.fromkeys(layers))
+        named = tuple(names[layer] if names else str(index) for index, layer in enumerate(layers))
+        options, reasons = self._network_options(layers, named, live_bytes or {}, undivided)
+        plan = (optimize_network(options, self.workspace_budget_bytes, mode) if options
+                else None)
+        return NetworkPlanning(plan, layers, named, reasons)
+
+    def _network_options(self, layers: tuple[ConvLayer, ...], names: tuple[str, ...],
+                         live_bytes: Mapping[tuple[ConvLayer, str], int], undivided: bool):
+        """The ILP's options of the layers it can plan, by their names, and why each other
+        has none."""
+        options, reasons = [], {}
+        for layer, name in zip(layers, names):
             tables = self._timings(layer)
             if isinstance(tables, str):
-                self._network_plans[layer] = tables
+                reasons[layer] = tables
                 continue
             try:
-                fronts = [self._front(kernel, tables[kernel], layer.batch_size)
+                fronts = [self._front(kernel, tables[kernel], layer.batch_size, undivided)
                           for kernel in KERNELS]
             except NoFeasiblePlanError as error:
-                self._network_plans[layer] = f"no plan within the workspace limit: {error}"
+                reasons[layer] = f"no plan within the workspace limit: {error}"
                 continue
-            options += [KernelOptions(str(len(planned)), kernel, front)
+            options += [KernelOptions(name, kernel, front, live_bytes.get((layer, kernel), 0))
                         for kernel, front in zip(KERNELS, fronts)]
-            planned.append(layer)
-        if not planned:
-            return
-        plans = optimize_network(options, self.workspace_budget_bytes,
-                                 SHARED_WORKSPACE).layer_plans()
-        for index, layer in enumerate(planned):
-            self._network_plans[layer] = plans[str(index)]
+        return options, reasons
 
-    def _front(self, kernel, timings, batch_size):
+    def _front(self, kernel, timings, batch_size, undivided: bool = False):
         front = pareto_configurations(kernel, timings, batch_size,
                                       deterministic_only=self.deterministic_only,
-                                      call_overhead_ms=self.call_overhead_ms)
+                                      call_overhead_ms=self.call_overhead_ms,
+                                      micro_batch_sizes=[batch_size] if undivided else None,
+                                      form=DIRECT if undivided else None)
         if self.workspace_limit_bytes is not None:
             front = tuple(c for c in front if c.workspace_bytes <= self.workspace_limit_bytes)
             if not front:
@@ -206,6 +242,11 @@ class DatabasePlanner:
             plan = self._network_plans[layer]
         else:
             plan = self._plan_alone(layer)
+        return self.screen(layer, plan)
+
+    def screen(self, layer: ConvLayer, plan: Union[LayerPlan, str]) -> Union[LayerPlan, str]:
+        """`plan` (the layer's, or why it has none), or why the layer keeps TensorFlow's or
+        XLA's own convolution instead (`leave_undivided_to_tensorflow`, `compare_with_xla`)."""
         if isinstance(plan, LayerPlan) and self.leave_undivided_to_tensorflow and all(
                 len(plan.kernel(kernel).micro_batches) == 1
                 and plan.kernel(kernel).form == DIRECT for kernel in kernels_run(layer)):
@@ -257,20 +298,50 @@ class DatabasePlanner:
             plan_ms = None if None in times else sum(times)
         return LayerPrediction(xla_ms, plan_ms)
 
-    def _plan_alone(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+    def configurations(self, layer: ConvLayer) -> Union[dict[str, KernelConfiguration], str]:
+        """Each kernel's fastest configuration within the workspace limit, planned alone (the
+        plan `__call__` gives without a workspace budget) with its predicted time and
+        workspace; or why the layer has none."""
         tables = self._timings(layer)
         if isinstance(tables, str):
             return tables
-        plans = []
+        chosen = {}
         for kernel in KERNELS:
             try:
-                plans.append(fastest_configuration(
+                chosen[kernel] = fastest_configuration(
                     kernel, tables[kernel], layer.batch_size, self.workspace_limit_bytes,
                     deterministic_only=self.deterministic_only,
-                    call_overhead_ms=self.call_overhead_ms).plan)
+                    call_overhead_ms=self.call_overhead_ms)
             except NoFeasiblePlanError as error:
                 return f"no plan within the workspace limit: {error}"
-        return LayerPlan(*plans)
+        return chosen
+
+    def timings(self, layer: ConvLayer) -> Union[dict, str]:
+        """kernel -> the layer's timing table the planner plans from, or why there is none."""
+        return self._timings(layer)
+
+    def _plan_alone(self, layer: ConvLayer) -> Union[LayerPlan, str]:
+        chosen = self.configurations(layer)
+        return chosen if isinstance(chosen, str) else LayerPlan(*(chosen[k].plan
+                                                                  for k in KERNELS))
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkPlanning:
+    """`DatabasePlanner.plan_network`'s answer: the ILP's plan (None where no layer could be
+    planned), whose kernels name their layers by `names`, and why each layer left out of it
+    has no plan."""
+
+    plan: Optional[NetworkPlan]
+    layers: tuple[ConvLayer, ...]
+    names: tuple[str, ...]  # each layer's in the plan
+    reasons: Mapping[ConvLayer, str]
+
+    def layer_plans(self) -> dict[ConvLayer, Union[LayerPlan, str]]:
+        """Each layer's plan, or why it has none."""
+        plans = self.plan.layer_plans() if self.plan is not None else {}
+        return {layer: self.reasons[layer] if layer in self.reasons else plans[name]
+                for layer, name in zip(self.layers, self.names)}
 
 
 def kernels_run(layer: ConvLayer) -> tuple[str, ...]:

@@ -42,6 +42,14 @@ def _keras_application(name: str):
     return None
 
 
+def outputs_probabilities(model: keras.Model) -> bool:
+    """Whether the model ends in a softmax, as keras.applications' classifiers do: its loss then
+    takes probabilities, not logits."""
+    last = model.layers[-1] if model.layers else None
+    return isinstance(last, keras.layers.Softmax) or \
+        getattr(last, "activation", None) is keras.activations.softmax
+
+
 def load_model(spec: str, data_format: str = "channels_last") -> keras.Model:
     """A model by name or path (see the module's docstring), with random weights for names."""
     if spec.endswith(".keras"):

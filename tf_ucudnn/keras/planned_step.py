@@ -15,6 +15,7 @@ from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
 from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
 from tf_ucudnn.keras.micro_batched_prefix import cut, micro_batched_model_call
+from tf_ucudnn.keras.models import outputs_probabilities
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
@@ -41,7 +42,9 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
     as one op whose backward is streamed in that many micro-batches
     (`tf_ucudnn.keras.streamed_conv_bn`; one warning names the layers not paired, and why), the
     other batch normalizations as `fuse_batch_norm` says."""
-    loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # Keras's TensorFlow backend reads a softmax's logits either way: only the warning differs.
+    loss = loss or tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=not outputs_probabilities(model))
     optimizer = optimizer or tf.keras.optimizers.SGD(0.01)
     variables = model.trainable_variables
     optimizer.build(variables)

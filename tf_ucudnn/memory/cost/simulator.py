@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -141,8 +141,79 @@ class StepSimulator:
                               peak_device=self.table.device_names[peak_device])
         return self._predict_with_numpy(swaps, persistent_bytes, made)
 
+    def live_bytes(self, swaps: Sequence[SwapDecision] = (), persistent_bytes: int = 0,
+                   recomputes: Sequence[RecomputeDecision] = ()) -> list[int]:
+        """The bytes held on the device of the predicted peak while each op runs, with these
+        decisions and `persistent_bytes` of variables: the most held from the end of the op
+        before to its own end (a wait or recomputation before an op is that op's, as for
+        `Prediction.peak_op`). Its most is `predict`'s peak: the curve a plan's timeline draws."""
+        device = self.table.device_names.index(
+            self.predict(swaps, persistent_bytes, recomputes).peak_device)
+        # The numpy schedule, whichever predicts: the two predict alike.
+        made = PreparedRecomputes.of(self.table, recomputes)
+        schedule = self._schedule(swaps, made)
+        table, start, end = self.table, schedule.start, schedule.end
+        plain = np.ones(len(table.sizes), dtype=bool)
+        plain[schedule.moved] = False
+        plain &= table.devices == device
+        pieces = schedule.piece_devices == device
+        starts = np.concatenate([start[table.producers[plain]], schedule.piece_starts[pieces]])
+        ends = np.concatenate([end[table.lasts[plain]], schedule.piece_ends[pieces]])
+        sizes = np.concatenate([table.sizes[plain], schedule.piece_sizes[pieces]])
+        held = ends > starts  # as in `swept_peak`, what is held for no time is left out
+        if not held.any():
+            return [persistent_bytes] * len(end)
+        times = np.concatenate([starts[held], ends[held]])
+        changes = np.concatenate([sizes[held], -sizes[held]])
+        order = np.argsort(times, kind="stable")
+        times, totals = times[order], np.cumsum(changes[order])
+        # What is held at a time is the total after all that happens then.
+        settled = np.append(times[1:] != times[:-1], True)
+        times, totals = times[settled], totals[settled]
+        # Each op's stretch of time starts where the op before ends; what is held as it starts
+        # is what the events before left, where none happens at that very time.
+        stretch_starts = np.concatenate([[-np.inf], end[:-1]])
+        before = np.searchsorted(times, stretch_starts, "left")
+        curve = np.where(before > 0, totals[np.maximum(before - 1, 0)], 0)
+        curve[times[np.minimum(before, len(times) - 1)] == stretch_starts] = 0
+        owner = np.minimum(np.searchsorted(end, times, "right"), len(end) - 1)
+        np.maximum.at(curve, owner, totals)
+        return (curve + persistent_bytes).tolist()
+
     def _predict_with_numpy(self, swaps: Sequence[SwapDecision], persistent_bytes: int,
                             made: "PreparedRecomputes") -> Prediction:
+        table, by_name = self.table, self.table.by_name
+        (start, end, ordered, moved, piece_starts, piece_ends, piece_sizes, piece_devices,
+         chosen, out_done, transfer) = self._schedule(swaps, made)
+        if len(table.device_names) == 1:
+            (peak, peak_time), peak_device = self._device_peak(
+                0, start, end, ordered, moved, piece_starts, piece_ends, piece_sizes), 0
+        else:
+            peak, peak_time, peak_device = max(
+                (*self._device_peak(d, start, end, ordered, moved, *(
+                    pieces[piece_devices == d]
+                    for pieces in (piece_starts, piece_ends, piece_sizes))), d)
+                for d in range(len(table.device_names)))
+        # The op running at the peak or, in a wait or recomputation before an op, that op.
+        running = int(np.searchsorted(end, peak_time, "right")) if ordered else \
+            int(np.argmax(peak_time < end)) if np.any(peak_time < end) else len(end)
+        peak_op = min(running, len(end) - 1)
+        copied_out = np.searchsorted(start, np.array([out_done[name] for name in chosen],
+                                                     dtype=float) - 1e-9).tolist()
+        copied_out_before = tuple(
+            (name, min(max(after, by_name[name].last_forward_use + 1),
+                       by_name[name].backward_consumers[0]))
+            for name, after in zip(chosen, copied_out))
+        return Prediction(step_ms=float(end[-1]) if len(end) else 0.0,
+                          compute_ms=self.compute_ms + made.cost_ms,
+                          peak_bytes=peak + persistent_bytes, peak_op=peak_op,
+                          transfer_ms=transfer, copied_out_before=copied_out_before,
+                          peak_device=table.device_names[peak_device])
+
+    def _schedule(self, swaps: Sequence[SwapDecision],
+                  made: "PreparedRecomputes") -> "_Schedule":
+        """When each op runs with these decisions, and the pieces the swapped and recomputed
+        tensors are held in (the numpy prediction's, and `live_bytes`')."""
         table, by_name, device_model = self.table, self.table.by_name, self.device_model
         chosen = {swap.tensor: swap for swap in swaps}
         produced_by: dict[int, list[TensorUse]] = {}
@@ -216,30 +287,8 @@ class StepSimulator:
                                       made.transient_bytes])
         piece_devices = np.concatenate([table.devices[moved], table.devices[moved],
                                         table.devices[made.transient_rows]])
-        if len(table.device_names) == 1:
-            (peak, peak_time), peak_device = self._device_peak(
-                0, start, end, ordered, moved, piece_starts, piece_ends, piece_sizes), 0
-        else:
-            peak, peak_time, peak_device = max(
-                (*self._device_peak(d, start, end, ordered, moved, *(
-                    pieces[piece_devices == d]
-                    for pieces in (piece_starts, piece_ends, piece_sizes))), d)
-                for d in range(len(table.device_names)))
-        # The op running at the peak or, in a wait or recomputation before an op, that op.
-        running = int(np.searchsorted(end, peak_time, "right")) if ordered else \
-            int(np.argmax(peak_time < end)) if np.any(peak_time < end) else len(durations)
-        peak_op = min(running, len(durations) - 1)
-        copied_out = np.searchsorted(start, np.array([out_done[name] for name in chosen],
-                                                     dtype=float) - 1e-9).tolist()
-        copied_out_before = tuple(
-            (name, min(max(after, by_name[name].last_forward_use + 1),
-                       by_name[name].backward_consumers[0]))
-            for name, after in zip(chosen, copied_out))
-        return Prediction(step_ms=float(end[-1]) if len(end) else 0.0,
-                          compute_ms=self.compute_ms + made.cost_ms,
-                          peak_bytes=peak + persistent_bytes, peak_op=peak_op,
-                          transfer_ms=transfer, copied_out_before=copied_out_before,
-                          peak_device=table.device_names[peak_device])
+        return _Schedule(start, end, ordered, moved, piece_starts, piece_ends, piece_sizes,
+                         piece_devices, chosen, out_done, transfer)
 
     def due_times(self, recomputes: Sequence[RecomputeDecision]) -> dict[str, int]:
         """The module's `due_times` for these recomputations (worked out once per tuple)."""
@@ -330,6 +379,24 @@ class StepSimulator:
         return swept_peak(np.concatenate([start[table.producers[plain]], piece_starts]),
                           np.concatenate([end[table.lasts[plain]], piece_ends]),
                           np.concatenate([table.sizes[plain], piece_sizes]))
+
+
+class _Schedule(NamedTuple):
+    """`StepSimulator._schedule`'s answer: each op's start and end, whether they are surely in
+    order, the rows of the swapped and recomputed tensors, the pieces these are held in, the
+    swaps by tensor, when each copy out ends, and the copy engines' busy time."""
+
+    start: np.ndarray
+    end: np.ndarray
+    ordered: bool
+    moved: np.ndarray
+    piece_starts: np.ndarray
+    piece_ends: np.ndarray
+    piece_sizes: np.ndarray
+    piece_devices: np.ndarray
+    chosen: dict
+    out_done: dict
+    transfer: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from tf_ucudnn.memory.analysis.liveness import (
 )
 from tf_ucudnn.memory.analysis.tensor_use import tensor_bytes
 from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.cost.simulator import StepSimulator
 from tf_ucudnn.memory.passes.graph_prefix import cut_candidates, micro_batched_prefix
 from tf_ucudnn.memory.passes.recompute import CLONE, Recompute, insert_recomputes, recomputable
 from tf_ucudnn.memory.passes.swap import Swap, insert_swaps
@@ -52,6 +53,10 @@ class MemoryPlan(StepMemoryPlan):
     decisions: MemoryDecisions
     swaps: list[Swap]
     recomputes: list[Recompute]
+    # The bytes the simulator predicts held while each op of `liveness` runs, after the swaps
+    # and recomputations, variables included: the planned step's own memory curve, whose most
+    # is the predicted peak.
+    live_bytes: list[int] = dataclasses.field(default_factory=list)
 
     kind = "swaps_and_recomputations"
 
@@ -256,7 +261,9 @@ def plan_step_memory(function, budget_bytes: int, device_model: DeviceModel,
             trigger, chain = None, ()
         recomputes += [Recompute(read, tuple(dict.fromkeys(names)), trigger, chain)
                        for read, names in readers(decision.tensor).items()]
-    return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes)
+    live_bytes = StepSimulator(op_ms, report.tensors, device_model).live_bytes(
+        decisions.swaps, report.persistent_bytes, decisions.recomputes)
+    return MemoryPlan(budget_bytes, report, decisions, swaps, recomputes, live_bytes)
 
 
 # Element-wise kernels that write their output over an input nobody else reads (TensorFlow's
