@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import types
-from typing import Iterator, Optional
+from typing import Iterator
 
 import keras
 import tensorflow as tf

@@ -56,8 +56,12 @@ class Strategies:
         return [getattr(self, field.name) for field in dataclasses.fields(self)]
 
     def begin(self) -> None:
-        for strategy in self._each():
-            strategy.begin()
+        try:
+            for strategy in self._each():
+                strategy.begin()
+        except BaseException:
+            self.close()  # what those begun changed
+            raise
 
     def close(self) -> None:
         for strategy in reversed(self._each()):

@@ -45,8 +45,8 @@ class SwapsAndRecomputations(MemoryStrategy):
     def __init__(self, model, options, convolutions, device_model=None, passed_over=None):
         passed = "; ".join(f"not {name}: {why}" for name, why in (passed_over or {}).items())
         xla = "; XLA off (it would not keep the plan's order)" if model.jit_compile else ""
-        super().__init__((passed or "the kind any model can take") + xla, model, options, convolutions, device_model,
-                         passed_over)
+        super().__init__((passed or "the kind any model can take") + xla, model, options,
+                         convolutions, device_model, passed_over)
         self.step_plan: Optional[KerasStepPlan] = None
 
     def begin(self) -> None:
