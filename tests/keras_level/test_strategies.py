@@ -103,7 +103,7 @@ def test_profiling_seconds_asked_for_is_the_budget(monkeypatch):
 
 def test_the_trial_takes_turns_and_keeps_the_faster_step_by_the_margin():
     trials = choose_step_trials(KerasOptions(trial_steps=2))
-    assert trials.choice() == StrategyChoice("timed", "2 steps each way in turns; the plans "
+    assert trials.choice() == StrategyChoice("timed", "2 step(s) each way in turns; the plans "
                                                       "kept if 1% faster")
     trial = trials.start("planned", "unplanned", keras_own(True, False))
     assert trials.result is trial.result and trial.result.own == "XLA's own convolutions"
@@ -143,6 +143,11 @@ def test_no_trial_where_untimed_or_under_a_memory_budget(options, reason):
 def test_the_batch_norm_kernel_is_asked_for_left_to_keras_or_to_the_trial(options, jit_compile,
                                                                            name):
     assert choose_batch_norm(normalized_model(jit_compile), KerasOptions(**options)).name == name
+
+
+def test_a_model_without_batch_normalization_leaves_nothing_to_the_trial():
+    assert choose_batch_norm(per_sample_model(), KerasOptions()).choice() == StrategyChoice(
+        "keras", "no BatchNormalization layer")
 
 
 def test_the_trials_kernel_is_switched_in_and_out_and_undone_at_the_end():

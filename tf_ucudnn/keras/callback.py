@@ -172,6 +172,7 @@ class MicroBatchCallback(keras.callbacks.Callback):
             plan_layers()
             self._planned = True
             batch_norm_tried = strategies.batch_norm.try_trial_kernel()
+            self._print_summary()
             # With nothing planned, the step as compiled goes on: tracing it again would cost
             # XLA a compilation for the same step.
             if strategies.convolutions.layers or batch_norm_tried:
@@ -183,7 +184,6 @@ class MicroBatchCallback(keras.callbacks.Callback):
         except BaseException:
             self.on_train_end()  # Keras skips it when training stops on an error
             raise
-        self._print_summary()
 
     def _planning_train_function(self, iterator):
         """The first step under a memory budget: the memory strategy plans at the first batch's

@@ -52,8 +52,7 @@ class AccumulatedSteps(MemoryStrategy):
                                       compiled_step_peak(self.model, specs))
         self.undo.callback(self.model.__dict__.pop, "train_step", None)
         self._train_in_micro_batches(self.plan.micro_batch_size, specs)
-        if self.options.verbose:
-            print(self.plan.to_text(), flush=True)
+        # The plan is printed with the callback's summary, after the first batch.
         return train_first_batch(  # Keras's train function takes any iterable of batches
             self.plan, data, lambda batches: self.model.train_function(batches),
             lambda size: self._train_in_micro_batches(size, specs), self.options.verbose)

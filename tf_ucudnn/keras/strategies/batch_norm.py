@@ -89,6 +89,8 @@ def choose_batch_norm(model: keras.Model, options: KerasOptions) -> BatchNormTra
         name, reason = "fused", f"fuse_batch_norm={options.fuse_batch_norm!r}: the {asked!r} kernel"
     elif options.fuse_batch_norm is False:
         name, reason = "keras", "fuse_batch_norm=False"
+    elif not batch_norm_layers(model):
+        name, reason = "keras", "no BatchNormalization layer"
     elif not options.trial_steps:
         name, reason = "keras", "trial_steps=0: no kernel goes untimed into the step"
     elif options.memory_budget is not None:

@@ -16,10 +16,10 @@ from typing import ClassVar, Optional
 import keras
 import tensorflow as tf
 
-from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
 from tf_ucudnn.keras.strategies.base import Strategy
 from tf_ucudnn.keras.strategies.convolutions import ConvolutionPlanning
 from tf_ucudnn.memory.cost.device_model import DeviceModel
+from tf_ucudnn.memory.step_memory_plan import StepMemoryPlan
 from tf_ucudnn.options import KerasOptions
 
 

@@ -82,5 +82,5 @@ def choose_step_trials(options: KerasOptions) -> StepTrials:
         return StepTrials(0, "under a memory budget the planned step is the one that fits")
     if not options.trial_steps:
         return StepTrials(0, "trial_steps=0: the plans kept untimed")
-    return StepTrials(options.trial_steps, f"{options.trial_steps} steps each way in turns; the "
-                                           f"plans kept if {TRIAL_MARGIN:.0%} faster")
+    return StepTrials(options.trial_steps, f"{options.trial_steps} step(s) each way in turns; "
+                                           f"the plans kept if {TRIAL_MARGIN:.0%} faster")
