@@ -179,8 +179,10 @@ def _train(name: str, args) -> dict:
                                                  compare_with_xla=True,
                                                  xla_margin=args.xla_margin)
         fuse_batch_norm = {"keras": False}.get(args.fuse_batch_norm, args.fuse_batch_norm)
-        planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner,
-                                               database=args.database, profiles=args.profiles,
+        # A planner given plans from its own database: the options name one only for theirs.
+        own_planner = {} if layer_planner else {"database": args.database,
+                                                "profiles": args.profiles}
+        planner = tf_ucudnn.MicroBatchCallback(args.callback, layer_planner, **own_planner,
                                                fuse_batch_norm=fuse_batch_norm,
                                                trial_steps=args.trial_steps,
                                                prefetch_batches=args.prefetch_batches)

@@ -53,6 +53,14 @@ class NotFused:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+    """One decision the Keras callback made once for a training run, and why."""
+
+    name: str
+    reason: str
+
+
 @dataclasses.dataclass
 class RewriteReport:
     layers: list = dataclasses.field(default_factory=list)
@@ -70,13 +78,15 @@ class RewriteReport:
     # A tf_ucudnn.memory.search.workspace_choice.WorkspacePlan: the planned kernels given less
     # workspace than their plan above for the memory budget (the graph runs those).
     memory_workspaces: Optional[object] = None
-    # A tf_ucudnn.keras.callback.StepTrial: the training step timed with the plans and without.
+    # A StepTrial (below): the callback's training step timed with the plans and without.
     trial: Optional[object] = None
     # The kernel the callback's step trains batch normalization with ("cudnn", "xla", "ucudnn"),
     # or None for Keras's own.
     batch_norm_kernel: Optional[str] = None
     # From the callback: where its input batches were copied ahead of their steps, or why not.
     input_prefetch: Optional[str] = None
+    # From the callback: each decision ("convolutions", "memory", ...) with its StrategyChoice.
+    strategies: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"layers": [layer.to_json() for layer in self.layers],
@@ -90,7 +100,9 @@ class RewriteReport:
                                       if self.memory_workspaces else None),
                 "trial": self.trial.to_json() if self.trial else None,
                 "batch_norm_kernel": self.batch_norm_kernel,
-                "input_prefetch": self.input_prefetch}
+                "input_prefetch": self.input_prefetch,
+                "strategies": {decision: dataclasses.asdict(choice)
+                               for decision, choice in self.strategies.items()}}
 
     def to_text(self) -> str:
         lines = [f"tf_ucudnn rewrite: {len(self.layers)} layer(s) rewritten, "
@@ -124,6 +136,8 @@ class RewriteReport:
             lines.append(f"  {self.input_prefetch}")
         if self.trial:
             lines.append(self.trial.to_text())
+        lines += [f"  {decision}: {choice.name} ({choice.reason})"
+                  for decision, choice in self.strategies.items()]
         return "\n".join(lines)
 
 

@@ -126,3 +126,27 @@ def test_a_measured_step_that_runs_out_of_memory_is_a_trial_that_does_not_fit():
     assert big.reason.startswith("its step, measured in micro-batches of 64, ran out of memory")
     assert "OOM when allocating tensor" in big.reason and "more" not in big.reason
     assert report.best is small and "does not fit: its step" in report.to_text()
+
+
+def test_the_tuner_takes_the_callbacks_options_and_overrides():
+    import pytest
+
+    from tf_ucudnn.keras.batch_size_tuner import tune_keras_batch_size
+    from tf_ucudnn.options import KerasOptions, OptionsError
+
+    model = _model()
+    model.compile(tf.keras.optimizers.SGD(0.01),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    options = KerasOptions(memory_budget=1 << 40, accumulate_gradients=False)
+    by_options = tune_keras_batch_size(model, (4, 8), device_model=LINK, options=options)
+    by_overrides = tune_keras_batch_size(model, (4, 8), 1 << 40, LINK,
+                                         accumulate_gradients=False)
+    assert by_options.accumulation_refused == "accumulate_gradients=False"
+    assert by_options.to_json() == by_overrides.to_json()
+    # Planned as the callback would: the whole step in micro-batches where it may.
+    assert tune_keras_batch_size(model, (4,), options=KerasOptions(
+        memory_budget=1 << 40), device_model=LINK).accumulation_refused is None
+    with pytest.raises(OptionsError, match="memory_budget: the tuner plans each batch under"):
+        tune_keras_batch_size(model, (4,), device_model=LINK)
+    with pytest.raises(OptionsError, match="batch_norm_statistics must be one of"):
+        tune_keras_batch_size(model, (4,), 1 << 40, LINK, batch_norm_statistics="ghost")

@@ -440,7 +440,8 @@ def test_streamed_convolutions_with_their_batch_normalization_train_to_the_same_
 
 
 def test_streamed_pairs_need_tensorflows_convolutions():
-    with pytest.raises(ValueError, match="needs workspace_limit=None, not '64MiB'"):
+    with pytest.raises(ValueError, match="stream_conv_batch_norm=4 and workspace_limit=67108864: "
+                                         "the streamed pairs' gradients are TensorFlow's"):
         MicroBatchCallback("64MiB", stream_conv_batch_norm=4)
 
 

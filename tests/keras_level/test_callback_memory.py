@@ -192,9 +192,9 @@ def test_a_budget_even_one_sample_misses_stops_training_with_the_reason():
 
 
 def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
-    import tf_ucudnn.keras.callback as callback_module
+    import tf_ucudnn.keras.strategies.accumulation as accumulation_module
 
-    own = callback_module.accumulated_train_step
+    own = accumulation_module.accumulated_train_step
 
     def running_out_above_four(model, size):
         step = own(model, size)
@@ -209,7 +209,7 @@ def test_a_first_step_out_of_memory_trains_again_in_halves(monkeypatch):
         return train_step
     plain, plain_history = fit(per_sample_model, [], jit_compile=False)
     budget = int(whole_batch_peak(False) * 0.75)
-    monkeypatch.setattr(callback_module, "accumulated_train_step", running_out_above_four)
+    monkeypatch.setattr(accumulation_module, "accumulated_train_step", running_out_above_four)
     planner = HalvingPlanner()
     callback = MicroBatchCallback(planner=planner, memory_budget=budget, trial_steps=0,
                                   verbose=0)

@@ -1,5 +1,5 @@
-"""Keras-level training: the callback, layer patching, batch-norm forms, streamed conv+BN,
-micro-batched first layers and the batch-size tuner."""
+"""Keras-level training: the callback and the decisions it makes (`strategies/`), layer patching,
+batch-norm forms, streamed conv+BN, micro-batched first layers and the batch-size tuner."""
 
 from tf_ucudnn.keras.batch_size_tuner import TuningReport, tune_batch_size, tune_keras_batch_size
 from tf_ucudnn.keras.micro_batched_prefix import cut, run_in_micro_batches

@@ -34,7 +34,7 @@ from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.keras.micro_batched_prefix import batch_dependent_layers
 from tf_ucudnn.memory.analysis.compiled_buffers import CompiledBuffersError, compiled_buffers
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.options import BATCH_NORM_STATISTICS
+from tf_ucudnn.options import KerasOptions
 
 _MEAN_OVER_BATCH = ("sum_over_batch_size", "mean", None)
 
@@ -48,16 +48,11 @@ class AccumulationError(TfUcudnnError, ValueError):
         self.predicted_peak_bytes = predicted_peak_bytes
 
 
-def check_batch_norm_statistics(value: str) -> str:
-    if value not in BATCH_NORM_STATISTICS:
-        raise ValueError(f"batch_norm_statistics must be one of {BATCH_NORM_STATISTICS}, "
-                         f"not {value!r}")
-    return value
-
-
 def normalized_per_micro_batch(model: tf.keras.Model, batch_norm_statistics: str) -> list:
-    """The layers that normalize by each micro-batch's statistics in micro-batches."""
-    if check_batch_norm_statistics(batch_norm_statistics) == "batch":
+    """The layers that normalize by each micro-batch's statistics in micro-batches, for
+    `batch_norm_statistics` as KerasOptions takes it (which names any other value an error)."""
+    KerasOptions(batch_norm_statistics=batch_norm_statistics)
+    if batch_norm_statistics == "batch":
         return []
     return [layer for layer in batch_dependent_layers(model)
             if isinstance(layer, tf.keras.layers.BatchNormalization)]
@@ -190,6 +185,21 @@ def plan_accumulation(model: tf.keras.Model, batch: int, budget_bytes: int,
                 f"{format_bytes(max(predicted, compiled or 0))}{xla}, over the budget of "
                 f"{format_bytes(budget_bytes)}", max(predicted, compiled or 0))
         size = batch // micro_batch_count(batch, min(max(estimate, 1), size - 1))
+
+
+def train_step_trace(model: tf.keras.Model, specs) -> Callable[[int], object]:
+    """`trace(size)` for `plan_accumulation`: the model's own train step traced over `specs` (one
+    batch's TensorSpecs) with that batch cut to `size` samples."""
+    batch = tf.nest.flatten(specs)[0].shape[0]
+
+    def trace(size: int):
+        def resized(spec):
+            if spec.shape.rank and spec.shape[0] == batch:
+                return tf.TensorSpec([size, *spec.shape[1:]], spec.dtype)
+            return spec
+        return tf.function(model.train_step).get_concrete_function(
+            tf.nest.map_structure(resized, specs))
+    return trace
 
 
 def compiled_step_peak(model: tf.keras.Model, specs) -> Optional[Callable[[int], int]]:

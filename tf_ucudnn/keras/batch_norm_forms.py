@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import types
-from typing import Iterator, Optional
+from typing import Iterator
 
 import keras
 import tensorflow as tf
@@ -125,6 +125,7 @@ def ucudnn_normalization(x, scale, offset, epsilon):
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
+# By name, as `tf_ucudnn.options.BATCH_NORM_KERNELS` lists them.
 KERNELS = {"cudnn": cudnn_normalization, "xla": xla_normalization,
            "ucudnn": ucudnn_normalization}
 
@@ -143,18 +144,6 @@ def normalization_gradient(dy, z, mean, inv_std, scale, d_offset, d_scale, count
     x_hat = (z - mean) * inv_std
     dz = (scale * inv_std / count) * (count * dy - d_offset - x_hat * d_scale)
     return dz, tf.reduce_sum(dz, list(range(len(z.shape) - 1)))
-
-
-def kernel_name(fuse_batch_norm) -> Optional[str]:
-    """The kernel a `fuse_batch_norm` argument asks for: None for False, "cudnn" for True, or
-    the name given."""
-    if fuse_batch_norm is False or fuse_batch_norm is None:
-        return None
-    name = "cudnn" if fuse_batch_norm is True else fuse_batch_norm
-    if name not in KERNELS:
-        raise ValueError(f"fuse_batch_norm={fuse_batch_norm!r}: the kernels are "
-                         f"{', '.join(KERNELS)} (True means cudnn)")
-    return name
 
 
 def _fused_call(self, inputs, training=None, mask=None, *, normalization):
@@ -187,9 +176,9 @@ def batch_norm_layers(model: keras.Model) -> list:
 @contextlib.contextmanager
 def fused_batch_norm(model: keras.Model, kernel: str = "cudnn") -> Iterator[list[UnfusedLayer]]:
     """While open, the model's BatchNormalization layers train with the fused kernel ("cudnn",
-    "xla" or "ucudnn"); yields the layers left as they are (known from their built input
-    shape), with the reason."""
-    normalization = KERNELS[kernel_name(kernel)]
+    "xla" or "ucudnn": `KerasOptions.batch_norm_kernel`); yields the layers left as they are
+    (known from their built input shape), with the reason."""
+    normalization = KERNELS[kernel]
     switched, left_alone = [], []
     for layer in batch_norm_layers(model):
         shape = getattr(layer, "_build_shapes_dict", None) or {}

@@ -20,17 +20,19 @@ from tf_ucudnn.core.units import MIB
 from tf_ucudnn.keras.accumulated_step import (
     AccumulationError,
     AccumulationPlan,
-    accumulation_refusal,
     compiled_step_peak,
     plan_accumulation,
+    train_step_trace,
 )
 from tf_ucudnn.keras.planned_step import plan_keras_step
+from tf_ucudnn.keras.strategies.accumulation import AccumulatedSteps
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import (
     MemoryPlan,
     plan_step_memory,
 )
+from tf_ucudnn.options import KerasOptions, OptionsError, Size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +93,17 @@ def tune_batch_size(step_for: Callable[[int], object], batch_sizes: Iterable[int
 
 
 def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int],
-                          budget_bytes: int, device_model: DeviceModel,
+                          memory_budget: Size = None, device_model: Optional[DeviceModel] = None,
+                          *, options: Optional[KerasOptions] = None,
                           step_ms: Optional[Callable[[int, int], float]] = None,
-                          fuse_batch_norm: Union[bool, str] = False,
-                          micro_batches: Iterable[int] = (4, 8),
-                          accumulate_gradients: bool = True,
-                          batch_norm_statistics: str = "batch") -> TuningReport:
+                          **overrides) -> TuningReport:
     """`tune_batch_size` for a Keras model, each batch planned as `MicroBatchCallback` would
-    train it under the budget: where the compiled model allows it (`accumulate_gradients`,
-    `batch_norm_statistics` as the callback takes them), the whole step in micro-batches, timed
-    as the micro-batch's predicted step once per micro-batch; otherwise by `plan_keras_step`
-    (its first layers in micro-batches where nothing else fits, as each trial records).
+    train it under the budget (`memory_budget`, else the options'), with the same `options` and
+    keyword `overrides` (accumulate_gradients, batch_norm_statistics, fuse_batch_norm,
+    micro_batches, whole_batches, stream_conv_batch_norm): where the compiled model allows it,
+    the whole step in micro-batches, timed as the micro-batch's predicted step once per
+    micro-batch; otherwise by `plan_keras_step` (its first layers in micro-batches where nothing
+    else fits, as each trial records). `device_model`: measured on the GPU if not given.
 
     `step_ms(batch, micro_batch_size)`, where given, measures instead: the step of `batch`
     samples as the callback trains it, in micro-batches of `micro_batch_size` where that is
@@ -109,16 +111,25 @@ def tune_keras_batch_size(keras_model: tf.keras.Model, batch_sizes: Iterable[int
     describes TensorFlow's graph, and a step XLA compiles wants measuring. Without micro-batches
     of the whole step it calibrates the op times (`step_ms(batch, batch)`). A measurement that
     fails (out of memory) makes its trial one that does not fit, with the error as the reason."""
-    refused = (accumulation_refusal(keras_model, batch_norm_statistics)
-               if accumulate_gradients else "accumulate_gradients=False")
+    if memory_budget is not None:
+        overrides["memory_budget"] = memory_budget
+    options = KerasOptions.resolve(options, **overrides)
+    if options.memory_budget is None:
+        raise OptionsError("memory_budget: the tuner plans each batch under a memory budget; "
+                           "none was given")
+    budget_bytes = options.memory_budget
+    device_model = device_model or DeviceModel.measure()
+    refused = AccumulatedSteps.refusal(keras_model, options)
     if refused is None:
         return _tune(_accumulated(keras_model, budget_bytes, device_model, step_ms,
-                                  batch_norm_statistics), batch_sizes, budget_bytes)
+                                  options.batch_norm_statistics), batch_sizes, budget_bytes)
 
     def plan(batch):
         _, chosen = plan_keras_step(keras_model, batch, budget_bytes, device_model,
-                                    step_ms(batch, batch) if step_ms else None, fuse_batch_norm,
-                                    micro_batches)
+                                    step_ms(batch, batch) if step_ms else None,
+                                    options.batch_norm_kernel or False, options.micro_batches,
+                                    stream_conv_batch_norm=options.stream_conv_batch_norm,
+                                    whole_batches=options.whole_batches)
         return chosen.plan, {"prefix_end": chosen.prefix_end,
                              "micro_batches": chosen.micro_batches}
     report = _tune(_memory_planned(plan), batch_sizes, budget_bytes)
@@ -146,13 +157,11 @@ def _accumulated(keras_model: tf.keras.Model, budget_bytes: int, device_model: D
     and its plan if it fits."""
     shape = keras_model.input_shape[1:]
 
-    def specs(size):
-        return tf.TensorSpec([size, *shape]), tf.TensorSpec([size], tf.int32)
-
-    def trace(size):
-        return tf.function(keras_model.train_step).get_concrete_function(specs(size))
+    def specs(batch):
+        return tf.TensorSpec([batch, *shape]), tf.TensorSpec([batch], tf.int32)
 
     def trial_for(batch):
+        trace = train_step_trace(keras_model, specs(batch))
         try:
             plan = plan_accumulation(keras_model, batch, budget_bytes, trace,
                                      batch_norm_statistics,

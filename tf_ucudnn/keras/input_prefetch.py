@@ -14,6 +14,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_ucudnn.options import KerasOptions
+
 # The dtypes copied ahead; other tensors (strings, variants) stay where the dataset made them.
 _COPIED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16,
                   tf.int32, tf.int64, tf.bool)
@@ -27,7 +29,7 @@ class InputPrefetch:
     """Trains each batch of a Keras iterator from a copy on `device` made while earlier steps
     ran. Call it with Keras's train function and the iterator Keras passes that function."""
 
-    def __init__(self, device: str, depth: int = 2):
+    def __init__(self, device: str, depth: int = KerasOptions.prefetch_batches):
         if depth < 1:
             raise ValueError(f"depth must be 1 or more, got {depth}")
         self.device = device

@@ -1,19 +1,20 @@
 """A Keras model's training step, traced at one batch size and planned to fit a memory budget:
 its swaps and recomputations, and where those are not enough, its first layers in micro-batches.
-The callback plans its step with `plan_keras_step`, and the batch-size tuner each candidate's."""
+The callback plans its step with `plan_keras_step` (or `plan_keras_step_with_workspaces`, its
+planned kernels' workspaces chosen with it), and the batch-size tuner each candidate's."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import warnings
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import tensorflow as tf
 
 from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD
-from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm, kernel_name
+from tf_ucudnn.keras.batch_norm_forms import fused_batch_norm
 from tf_ucudnn.keras.micro_batched_prefix import cut, micro_batched_model_call
 from tf_ucudnn.keras.models import outputs_probabilities
 from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
@@ -25,7 +26,8 @@ from tf_ucudnn.memory.search.step_plan import (
     apply_memory_plan,
     plan_with_micro_batches,
 )
-from tf_ucudnn.memory.search.workspace_choice import StepOutcome, choose_workspaces
+from tf_ucudnn.memory.search.workspace_choice import StepOutcome, WorkspacePlan, choose_workspaces
+from tf_ucudnn.options import DEFAULT_MICRO_BATCHES, KerasOptions
 
 
 def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optimizer=None,
@@ -60,7 +62,7 @@ def keras_training_step(model: tf.keras.Model, batch_size: int, loss=None, optim
 
     specs = (tf.TensorSpec([batch_size, *model.input_shape[1:]]),
              tf.TensorSpec([batch_size], tf.int32))
-    kernel = kernel_name(fuse_batch_norm)
+    kernel = KerasOptions(fuse_batch_norm=fuse_batch_norm).batch_norm_kernel
     with contextlib.ExitStack() as switched:
         if kernel is not None:
             for unfused in switched.enter_context(fused_batch_norm(model, kernel)):
@@ -95,7 +97,8 @@ class KerasStepPlan:
 def plan_keras_step(model: tf.keras.Model, batch_size: int, budget_bytes: int,
                     device_model: DeviceModel, step_ms: Optional[float] = None,
                     fuse_batch_norm: Union[bool, str] = False,
-                    micro_batches: Iterable[int] = (4, 8), cuts: Optional[Iterable[str]] = None,
+                    micro_batches: Iterable[int] = DEFAULT_MICRO_BATCHES,
+                    cuts: Optional[Iterable[str]] = None,
                     trace: Optional[Callable[[Optional[str], int], object]] = None,
                     stream_conv_batch_norm: int = 0, whole_batches: bool = True):
     """The training step of `model` at `batch_size`, planned to fit `budget_bytes`, as a
@@ -145,11 +148,12 @@ _KERNEL_OF_OP = {f"UcudnnConv{rank}D{suffix}": kernel for rank in (2, 3) for suf
                   ("BackpropFilter", BACKPROP_FILTER))}
 
 
-def planned_kernel(graph: tf.Graph, op_name: str, layer_of: Callable[[str], Optional[str]]
+def planned_kernel(graph: tf.Graph, op_name: str, layer_of_op: Mapping[str, str]
                    ) -> Optional[str]:
-    """"layer|kernel" for a planned convolution op of a traced step (`layer_of` names the
-    layer of a forward op), else None. A gradient op is its forward op's: the input gradient
-    reads the same filters, the filter gradient the same input (and has the filters' shape)."""
+    """"layer|kernel" for a planned convolution op of a traced step (`layer_of_op` names the
+    layer of each planned forward op), else None. A gradient op is its forward op's: the input
+    gradient reads the same filters, the filter gradient the same input (and has the filters'
+    shape)."""
     op = graph.get_operation_by_name(op_name) if op_name else None
     kernel = _KERNEL_OF_OP.get(op.type) if op is not None else None
     if kernel is None:
@@ -160,38 +164,57 @@ def planned_kernel(graph: tf.Graph, op_name: str, layer_of: Callable[[str], Opti
     elif kernel == BACKPROP_FILTER:
         forwards = [c for c in op.inputs[0].consumers() if _KERNEL_OF_OP.get(c.type) == FORWARD
                     and c.inputs[1].shape == op.outputs[0].shape]
-    layers = {layer_of(forward.name) for forward in forwards} - {None}
+    layers = {layer_of_op.get(forward.name) for forward in forwards} - {None}
     return f"{layers.pop()}|{kernel}" if len(layers) == 1 else None
 
 
-def plan_keras_step_with_workspaces(plan_step: Callable[[object], tuple], fronts: dict,
-                                    apply_choice: Callable[[dict], None],
-                                    trace_whole: Callable[[], object],
-                                    layer_of: Callable[[str], Optional[str]]):
-    """`plan_step(whole)` (a `plan_keras_step` call, given the step traced in whole batches)
-    with the planned kernels' workspaces chosen with the memory
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """A training step traced for planning, and the layer of each planned forward op in it."""
+
+    step: object  # a ConcreteFunction
+    layer_of_op: Mapping[str, str]
+
+
+# trace(choice, prefix_end, micro_batches): see plan_keras_step_with_workspaces.
+TraceWithKernelPlans = Callable[[Mapping[str, object], Optional[str], int], TracedStep]
+
+
+def plan_keras_step_with_workspaces(model: tf.keras.Model, batch_size: int, budget_bytes: int,
+                                    device_model: DeviceModel, fronts: Mapping[str, list],
+                                    trace: TraceWithKernelPlans, *,
+                                    micro_batches: Iterable[int] = DEFAULT_MICRO_BATCHES,
+                                    whole_batches: bool = True, step_ms: Optional[float] = None,
+                                    ) -> tuple[object, KerasStepPlan, WorkspacePlan]:
+    """`plan_keras_step` with the planned kernels' workspaces chosen with the memory
     (`tf_ucudnn.memory.search.workspace_choice`): `fronts` gives each "layer|kernel" its Pareto
-    front, `apply_choice(choice)` sets those kernels' plans on the model's layers (the next
-    trace runs them), `trace_whole()` traces the step as it is, and `layer_of(op name)` names
-    the layer of a forward op. Returns plan_step's result and the WorkspacePlan; the layers are
-    left with the plans chosen."""
+    front of KernelConfigurations. Returns the planned step, its KerasStepPlan and the
+    WorkspacePlan, whose `chosen` the caller gives the layers (the last traced may differ).
+
+    The one callable, `trace(choice, prefix_end, micro_batches)`, belongs to the caller, which
+    owns the layers: it plans each "layer|kernel" of `choice` with its KernelConfiguration's plan
+    (the layers keep it until the next call) and returns the step traced at `batch_size` as a
+    TracedStep, the layers up to `prefix_end` run in `micro_batches` micro-batches (None and 1:
+    whole batches)."""
     def plan_for(choice) -> StepOutcome:
-        apply_choice(choice)
         # The op at the peak, found in the step as traced whole (a plan's graph has swapped and
         # recomputed inputs in the way of telling a gradient's layer); the plan starts from it.
-        whole = trace_whole()
+        whole = trace(choice, None, 1)
         try:
-            step, kept = plan_step(whole)
+            step, kept = plan_keras_step(
+                model, batch_size, budget_bytes, device_model, step_ms,
+                micro_batches=micro_batches, whole_batches=whole_batches,
+                trace=lambda layer, count: whole.step if layer is None else
+                trace(choice, layer, count).step)
         except BudgetError as error:
             return StepOutcome(None, None, planned_kernel(
-                whole.graph, analyze(whole).peak_op, layer_of) or "", error)
+                whole.step.graph, analyze(whole.step).peak_op, whole.layer_of_op) or "", error)
         prediction = kept.plan.decisions.prediction
         peak = kept.plan.liveness.ops[prediction.peak_op].name
-        found = peak if peak in {op.name for op in whole.graph.get_operations()} else None
+        found = peak if peak in {op.name for op in whole.step.graph.get_operations()} else None
         return StepOutcome((step, kept), prediction.step_ms,
-                           planned_kernel(whole.graph, found, layer_of) or "")
+                           planned_kernel(whole.step.graph, found, whole.layer_of_op) or "")
 
     outcome, workspaces = choose_workspaces(fronts, plan_for)
-    fastest = {key: max(front, key=lambda c: c.workspace_bytes) for key, front in fronts.items()}
-    apply_choice(fastest | {k.node: k.chosen for k in workspaces.lowered})
-    return outcome.result, workspaces
+    step, kept = outcome.result
+    return step, kept, workspaces

@@ -23,6 +23,7 @@ from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.passes.node_edits import set_kernel_plan
 from tf_ucudnn.memory.search.greedy import BudgetError
 from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
+from tf_ucudnn.options import DEFAULT_MICRO_BATCHES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +59,11 @@ class KernelWorkspace:
 @dataclasses.dataclass
 class WorkspacePlan:
     """The kernels whose workspace the budget lowered, and each step down tried, with why it
-    was kept or not."""
+    was kept or not; `chosen`, every kernel's plan as chosen (its fastest, or its lowered one)."""
 
     lowered: list[KernelWorkspace]
     tried: list[str]
+    chosen: dict = dataclasses.field(default_factory=dict)
 
     @property
     def extra_ms(self) -> float:
@@ -129,7 +131,7 @@ def choose_workspaces(fronts: Mapping[str, Sequence[KernelConfiguration]],
         raise best.error
     lowered = [KernelWorkspace(node, fronts[node][i], fastest[node])
                for node, i in position.items() if fronts[node][i] is not fastest[node]]
-    return best, WorkspacePlan(lowered, tried)
+    return best, WorkspacePlan(lowered, tried, choice())
 
 
 def _said(outcome: StepOutcome, cost: Optional[float]) -> str:
@@ -141,7 +143,8 @@ def _said(outcome: StepOutcome, cost: Optional[float]) -> str:
 
 def plan_step_with_workspaces(step, fronts: Mapping[str, Sequence[KernelConfiguration]],
                               budget_bytes: int, device_model: DeviceModel,
-                              step_ms: Optional[float] = None, micro_batches=(4, 8)):
+                              step_ms: Optional[float] = None,
+                              micro_batches=DEFAULT_MICRO_BATCHES):
     """`plan_step_with_prefix` for a step (a ConcreteFunction) whose planned convolution kernels
     (node name -> Pareto front) have their workspace chosen with the memory plan. Returns the
     planned step, its PrefixStepPlan and the WorkspacePlan."""
