@@ -152,7 +152,8 @@ def test_plan_shows_the_layers_xla_keeps(tmp_path, capsys):
 
 
 def test_plan_in_the_dynamic_allocator_mode_fits_beside_the_training_step(tmp_path, capsys):
-    from tf_ucudnn.conv_planning.plan_report import layer_label, training_live_bytes
+    from tf_ucudnn.conv_planning.plan_report import layer_label
+    from tf_ucudnn.memory.analysis.kernel_live_bytes import training_live_bytes
     from tf_ucudnn.keras.planned_step import keras_training_step
 
     model = conv_model()

@@ -43,12 +43,7 @@ from typing import Optional, Sequence
 
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner, resolve_machine
 from tf_ucudnn.conv_planning.network_ilp import DYNAMIC_ALLOCATOR, MODES
-from tf_ucudnn.conv_planning.plan_report import (
-    PlanError,
-    database_report,
-    layer_label,
-    training_live_bytes,
-)
+from tf_ucudnn.conv_planning.plan_report import PlanError, database_report, layer_label
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.files import written_whole
@@ -56,6 +51,7 @@ from tf_ucudnn.core.units import format_bytes
 from tf_ucudnn.graph.conv_layers import find_conv_layers, trace_model
 from tf_ucudnn.keras import models
 from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
+from tf_ucudnn.memory.analysis.kernel_live_bytes import training_live_bytes
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel

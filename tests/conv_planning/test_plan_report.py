@@ -2,7 +2,6 @@ import json
 
 import pytest
 from conv_planning.test_database_planner import H100, alexnet_layers, database  # noqa: F401
-from savedmodel.test_converter import conv_model
 
 from tf_ucudnn.conv_planning import (
     DYNAMIC_ALLOCATOR,
@@ -16,17 +15,9 @@ from tf_ucudnn.conv_planning import (
     pareto_configurations,
 )
 from tf_ucudnn.conv_planning.database_planner import DatabasePlanner, kernels_run
-from tf_ucudnn.conv_planning.plan_report import (
-    database_report,
-    layer_label,
-    summarize,
-    training_live_bytes,
-)
+from tf_ucudnn.conv_planning.plan_report import database_report, layer_label, summarize
 from tf_ucudnn.core.plan import KERNELS, Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.core.units import MIB
-from tf_ucudnn.graph.conv_layers import find_conv_layers
-from tf_ucudnn.keras.planned_step import keras_training_step
-from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.profiling import AlgorithmTiming
 
 
@@ -158,25 +149,3 @@ def test_the_layers_xla_keeps_run_as_xla_would(database, alexnet_layers):
     assert f"  {layer_label(alexnet_layers[1])}: XLA's own convolution is predicted" in text
     assert json.loads(json.dumps(report.to_json()))["kernels"][0]["left_alone"].startswith(
         "XLA's own convolution is predicted as fast or faster")
-
-
-def test_training_live_bytes_are_the_liveness_at_each_kernel():
-    model = conv_model()
-    step = keras_training_step(model, 6)
-    layers = find_conv_layers(step.graph)[0]
-    live = training_live_bytes(step, layers)
-    report = analyze(step)
-    held = {op.name: op.live_bytes + report.persistent_bytes for op in report.ops}
-    # Every kernel of every layer, each no more than the step holds there (its scratch aside).
-    assert set(live) == {(layer, kernel) for layer in layers for kernel in KERNELS}
-    operations = step.graph.get_operations()
-    for (layer, kernel), size in live.items():
-        op = {"fwd": layer.name}.get(kernel) or next(
-            o.name for o in operations if o.name.startswith(f"gradient_tape/{layer.name}/")
-            and o.type == {"bwd_data": "Conv2DBackpropInput",
-                           "bwd_filter": "Conv2DBackpropFilter"}[kernel])
-        assert report.persistent_bytes < size <= held[op]
-    # The first backward kernel (the last layer's filter gradient) runs beside every tensor
-    # the forward pass keeps.
-    kept = sum(t.bytes for t in report.kept())
-    assert live[(layers[-1], "bwd_filter")] >= kept + report.persistent_bytes

@@ -29,17 +29,8 @@ from tf_ucudnn.conv_planning.network_ilp import (
 )
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
-from tf_ucudnn.core.plan import (
-    BACKPROP_FILTER,
-    BACKPROP_INPUT,
-    DIRECT,
-    FORWARD,
-    KERNELS,
-    KernelPlan,
-    LayerPlan,
-)
+from tf_ucudnn.core.plan import DIRECT, KERNELS, KernelPlan, LayerPlan
 from tf_ucudnn.core.units import MIB
-from tf_ucudnn.memory.analysis.liveness import analyze, kernel_scratch_bytes
 from tf_ucudnn.profiling.records import KernelTimings
 
 if TYPE_CHECKING:
@@ -288,39 +279,3 @@ def _with_own_convolutions(report: PlanReport, layers: Sequence[ConvLayer],
             row = dataclasses.replace(row, chosen=own or row.chosen, left_alone=reason)
         kernels.append(row)
     return dataclasses.replace(report, kernels=tuple(kernels))
-
-
-# The kernel each of TensorFlow's convolution ops runs; a gradient reads its forward op's
-# filters (input gradient) or input (filter gradient) at this input.
-_TENSORFLOW_KERNELS = {
-    **dict.fromkeys(("Conv2D", "Conv3D", "DepthwiseConv2dNative"), (FORWARD, None)),
-    **dict.fromkeys(("Conv2DBackpropInput", "Conv3DBackpropInputV2",
-                     "DepthwiseConv2dNativeBackpropInput"), (BACKPROP_INPUT, 1)),
-    **dict.fromkeys(("Conv2DBackpropFilter", "Conv3DBackpropFilterV2",
-                     "DepthwiseConv2dNativeBackpropFilter"), (BACKPROP_FILTER, 0)),
-}
-
-
-def training_live_bytes(step, layers: Sequence[ConvLayer]) -> dict[tuple[ConvLayer, str], int]:
-    """The bytes held beside each kernel of `layers` (the forward convolutions of `step`, a
-    traced training step) as it runs, by the liveness analysis of the step: the tensors live
-    then and the variables, less the kernel's own scratch, which its workspace in the
-    dynamic_allocator mode stands for. A gradient is its forward op's: it reads the same
-    filters (input gradient) or the same input (filter gradient)."""
-    report = analyze(step)
-    held = {op.name: op.live_bytes for op in report.ops}
-    by_name = {layer.name: layer for layer in layers}
-    live = {}
-    for op in step.graph.get_operations():
-        kernel, shared = _TENSORFLOW_KERNELS.get(op.type, (None, None))
-        if kernel is None:
-            continue
-        forwards = [op] if shared is None else [
-            reader for reader in op.inputs[shared].consumers()
-            if _TENSORFLOW_KERNELS.get(reader.type, (None,))[0] == FORWARD
-            and (kernel != BACKPROP_FILTER or reader.inputs[1].shape == op.outputs[0].shape)]
-        layer = by_name.get(forwards[0].name) if len(forwards) == 1 else None
-        if layer is not None:
-            live[(layer, kernel)] = (held[op.name] - kernel_scratch_bytes(op)
-                                     + report.persistent_bytes)
-    return live
