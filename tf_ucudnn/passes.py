@@ -149,24 +149,26 @@ class GraphPass:
 CONVOLUTION_FINDINGS = ("layers", "left_alone", "fused", "not_fused", "spatial")
 
 
-def with_findings(report: RewriteReport, found: RewriteReport) -> RewriteReport:
+def _with_findings(report: RewriteReport, found: RewriteReport) -> RewriteReport:
     return dataclasses.replace(report, **{name: getattr(report, name) + getattr(found, name)
                                           for name in CONVOLUTION_FINDINGS})
 
 
+# A convolution pass that rewrote nothing hands on the graph_def it was given, so that the step
+# goes on as given, its tensors keeping their names.
 def _rewrite(graph_def, report: RewriteReport, context: PassContext):
     rewritten, found = rewrite_graph_def(graph_def, context.planner, context.graph,
                                          context.unfused_because)
-    return (rewritten if found.layers else graph_def), with_findings(report, found)
+    return (rewritten if found.layers else graph_def), _with_findings(report, found)
 
 
 def _split(graph_def, report: RewriteReport, context: PassContext):
     split, found = split_graph_def(graph_def, context.spatial_devices, context.planner,
                                    context.graph)
-    return (split if found.spatial else graph_def), with_findings(report, found)
+    return (split if found.spatial else graph_def), _with_findings(report, found)
 
 
-def step_function(graph_def: graph_pb2.GraphDef, context: PassContext):
+def _step_function(graph_def: graph_pb2.GraphDef, context: PassContext):
     """The step the graph_def is, as a ConcreteFunction: the context's function itself while no
     pass changed its graph (its tensors keep their names), else the graph_def run over its
     inputs and variables."""
@@ -194,7 +196,7 @@ def kernel_fronts(planner: LayerPlanner, report: RewriteReport) -> dict:
 def _plan_memory(graph_def, report: RewriteReport, context: PassContext):
     """The search over traced candidates (memory/search/): whole batches or the first ops in
     micro-batches, with the planned kernels' workspaces where the planner gives their fronts."""
-    step = step_function(graph_def, context)
+    step = _step_function(graph_def, context)
     budget, micro_batches = context.options.memory_budget, context.options.micro_batches
     device_model = context.device_model or DeviceModel.measure()
     fronts = kernel_fronts(context.planner, report) if context.planner is not None else {}
@@ -226,11 +228,11 @@ class PassManager:
 
     def __post_init__(self):
         object.__setattr__(self, "passes", tuple(self.passes))
-        unchecked = [f"the {graph_pass.name} pass's {guarantee.description!r}"
+        unchecked = [f"the {graph_pass.name} pass guarantees that {guarantee.description}"
                      for graph_pass in self.passes for guarantee in graph_pass.guarantees
                      if guarantee.check is None]
         if unchecked:
-            raise PassContractError(f"a guarantee with no check: {', '.join(unchecked)}")
+            raise PassContractError(f"{'; '.join(unchecked)}, with no check to run after it")
 
     def check_order(self, given: Iterable[Property] = ()) -> None:
         """That each pass's requirements are `given` with the input or guaranteed by a pass
@@ -254,7 +256,7 @@ class PassManager:
         for graph_pass in self.passes:
             after, report = graph_pass.run(graph_def, report, context)
             if after is not graph_def:
-                context.graph = None  # it was the given graph_def's
+                context.graph = None  # the graph for shapes was the given graph_def's
             outcome = PassOutcome(graph_def, after, report, context)
             for guarantee in graph_pass.guarantees:
                 broken = guarantee.check(outcome)

@@ -106,8 +106,9 @@ def plan_graph(target, options: Options, planner: Optional[LayerPlanner] = None,
     """Runs the passes on a GraphDef, a tf.Graph or a ConcreteFunction: the convolutions planned
     and rewritten (or split over `spatial_devices`, each part planned), each fused with its bias
     and ReLU where it can be, unless `unfused_because` or a memory budget says why not; then,
-    with a memory budget, the step's swaps, recomputations and micro-batched first ops. Returns
-    (rewritten, report); a ConcreteFunction gives a callable over the same inputs and
+    with a memory budget, the step's swaps, recomputations and micro-batched first ops. The
+    passes (`choose_passes`) run under a `PassManager`, which checks each one's contract.
+    Returns (rewritten, report); a ConcreteFunction gives a callable over the same inputs and
     variables."""
     if options.memory_budget is not None and not is_concrete_function(target):
         raise TypeError("memory_budget plans a training step: pass its ConcreteFunction "
