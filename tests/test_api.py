@@ -7,7 +7,7 @@ from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 import tf_ucudnn
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.memory import BudgetError
-from tf_ucudnn.options import OptionsError
+from tf_ucudnn.options import Options, OptionsError
 
 # Compared with the original at float32 precision, on the GPU too.
 pytestmark = pytest.mark.usefixtures("no_tf32")
@@ -93,3 +93,21 @@ def test_a_rewritten_training_step_compiles_with_xla():
     assert "UcudnnConv2D" in hlo and "UcudnnConv2DBackpropFilter" in hlo
     with pytest.raises(TypeError, match="jit_compile compiles a function"):
         tf_ucudnn.rewrite(step.graph.as_graph_def(), _split, jit_compile=True)
+
+
+def test_options_and_keyword_settings_fold_into_one_options():
+    """A keyword setting overrides the same setting of `options`."""
+    step = conv_training_step()
+    _, report = tf_ucudnn.rewrite(step, _split, options=Options(memory_budget="1KiB"),
+                                  memory_budget=1 << 40, device_model=SLOW_LINK)
+    assert len(report.layers) == 4 and report.memory.budget_bytes == 1 << 40
+
+
+def test_settings_only_the_default_planner_reads_are_refused_beside_a_planner():
+    step = conv_training_step()
+    with pytest.raises(OptionsError, match="database, profiles and planner=: those settings"):
+        tf_ucudnn.rewrite(step, _split, database="mine.sqlite", profiles=["mine.jsonl"])
+    with pytest.raises(OptionsError, match="device and planner="):
+        tf_ucudnn.rewrite(step, _split, options=Options(device="H100"))
+    with pytest.raises(OptionsError, match="trial_steps: not a setting of Options"):
+        tf_ucudnn.rewrite(step, trial_steps=3)

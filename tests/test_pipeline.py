@@ -5,7 +5,8 @@ from training_steps import SLOW_LINK, assert_same_step, conv_training_step
 
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
 from tf_ucudnn.options import Options
-from tf_ucudnn.pipeline import conv_planner, plan_graph
+from tf_ucudnn.passes import CONVOLUTION_REWRITE, MEMORY_PLANNING, SPATIAL_SPLIT
+from tf_ucudnn.pipeline import choose_passes, conv_planner, plan_graph
 from tf_ucudnn.profiling.database import ProfileDatabaseError
 
 
@@ -52,3 +53,16 @@ def test_where_nothing_is_planned_the_step_goes_on_as_given(tmp_path):
     step = conv_training_step()
     rewritten, report = plan_graph(step, Options(database=str(tmp_path / "empty.sqlite")))
     assert rewritten is step and not report.layers and report.left_alone
+
+
+def test_the_passes_are_chosen_once_from_the_options_in_one_order():
+    budget = "1GiB"
+    assert choose_passes(Options(), None, None) == [CONVOLUTION_REWRITE]
+    assert choose_passes(Options(workspace_limit=None), None, None) == []
+    assert choose_passes(Options(workspace_limit=None), _halves, None) == [CONVOLUTION_REWRITE]
+    assert choose_passes(Options(memory_budget=budget), _halves, None) == [
+        CONVOLUTION_REWRITE, MEMORY_PLANNING]
+    assert choose_passes(Options(workspace_limit=None, memory_budget=budget), None, None) == [
+        MEMORY_PLANNING]
+    assert choose_passes(Options(memory_budget=budget), None, ["/CPU:0", "/CPU:1"]) == [
+        SPATIAL_SPLIT, MEMORY_PLANNING]

@@ -1,8 +1,10 @@
 """`tf_ucudnn.rewrite`: the graph passes put together, with their planners built from options.
 
-    fast_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB")
-    big_step, report = tf_ucudnn.rewrite(step, workspace_limit="64MiB", memory_budget="16GiB")
-    split_step, report = tf_ucudnn.rewrite(step, spatial_split=2, workspace_limit="64MiB")
+    fast_step, report = tf_ucudnn.rewrite(step, workspace_limit="32MiB")
+    options = tf_ucudnn.Options(workspace_limit="32MiB", memory_budget="16GiB")
+    big_step, report = tf_ucudnn.rewrite(step, options=options)
+    smaller_step, report = tf_ucudnn.rewrite(step, options=options, memory_budget="12GiB")
+    split_step, report = tf_ucudnn.rewrite(step, spatial_split=2)
 
 Convolutions are rewritten first (their plans bound each kernel's workspace); with a memory budget
 the rewritten training step then gets the swaps and recomputations that fit its tensors in the
@@ -17,20 +19,16 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_ucudnn.core.plan import LayerPlanner
-from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError, Size
+from tf_ucudnn.options import Options, OptionsError
 from tf_ucudnn.parallel import spatial
-from tf_ucudnn.pipeline import UNFUSED_UNDER_XLA, plan_graph
+from tf_ucudnn.pipeline import UNFUSED_UNDER_XLA, entry_options, plan_graph
 
 
 def rewrite(target, planner: Optional[LayerPlanner] = None, *,
-            workspace_limit: Size = DEFAULT_WORKSPACE_LIMIT, workspace_budget: Size = None,
-            memory_budget: Size = None, spatial_split: Optional[int] = None,
+            options: Optional[Options] = None, spatial_split: Optional[int] = None,
             devices: Optional[Sequence[str]] = None, device_model=None,
-            step_ms: Optional[float] = None, micro_batches: Sequence[int] = (4, 8),
-            inline_functions: bool = False, jit_compile: bool = False,
-            database: Optional[str] = None, profiles: Sequence[str] = (),
-            device: Optional[str] = None, cudnn_version: Optional[int] = None,
-            options: Optional[Options] = None):
+            step_ms: Optional[float] = None, inline_functions: bool = False,
+            jit_compile: bool = False, **overrides):
     """Rewrites a GraphDef, a tf.Graph or a ConcreteFunction; returns (rewritten, report).
 
     A GraphDef or tf.Graph gives a GraphDef; a ConcreteFunction gives a tf.function over the same
@@ -44,12 +42,17 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *,
     layers with why. The fused op has no XLA kernel: with `jit_compile=True` nothing is fused,
     and a rewritten function with fused layers cannot be compiled by XLA later.
 
+    The settings are `options` (a `tf_ucudnn.Options`; its defaults if None) with any of its
+    settings given by keyword over it: `workspace_limit`, `workspace_budget`, `memory_budget`,
+    `micro_batches`, `database`, `profiles`, `device`, `cudnn_version` (sizes in bytes or such
+    as "16GiB"; see `tf_ucudnn.Options` for each and its default). A name that is no setting is
+    an OptionsError naming it.
+
     Convolution plans come from `planner` (any callable from ConvLayer to LayerPlan or a reason),
-    or from the profile database for `workspace_limit` per kernel (64 MiB unless given; None
-    leaves the convolutions to TensorFlow) and/or a `workspace_budget` shared by all kernels
-    (bytes, or sizes such as "64MiB"), planned from the profile `database` with `profiles`
-    imported into it (see `tf_ucudnn.Options` for these and `device`, `cudnn_version`);
-    `options` gives every setting at once instead. Where no measurements can be had, each
+    or from the profile `database` (with `profiles` imported into it) for `workspace_limit` per
+    kernel (None leaves the convolutions to TensorFlow) and/or a `workspace_budget` shared by all
+    kernels. The settings only that planner reads (`Options.PLANNER_SETTINGS`), given beside a
+    `planner`, are an OptionsError naming them. Where no measurements can be had, each
     convolution is reported left alone with the reason.
 
     `spatial_split` (a number of devices, or the `devices` themselves) splits every convolution
@@ -70,14 +73,7 @@ def rewrite(target, planner: Optional[LayerPlanner] = None, *,
     or none) with every choice passed over and why. A budget that cannot be met raises
     `tf_ucudnn.memory.BudgetError`, saying by how much and what was tried.
     """
-    if options is None:
-        options = Options(workspace_limit=workspace_limit, workspace_budget=workspace_budget,
-                          memory_budget=memory_budget, micro_batches=micro_batches,
-                          database=database, profiles=profiles, device=device,
-                          cudnn_version=cudnn_version)
-    if planner is not None and options.workspace_budget is not None:
-        raise OptionsError("workspace_budget is for the default planner; a given planner has "
-                           "its own")
+    options = entry_options(options, planner, **overrides)
     splits = spatial_split is not None or devices is not None
     if planner is None and not options.plans_convolutions and not splits and \
             options.memory_budget is None:

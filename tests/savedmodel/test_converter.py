@@ -9,6 +9,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
 from tf_ucudnn.core.plan import KernelPlan, LayerPlan
+from tf_ucudnn.options import Options, OptionsError
 from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 
 BATCH = 6
@@ -248,3 +249,16 @@ def test_an_output_directory_that_cannot_be_written_is_a_conversion_error(conver
     with pytest.raises(ConversionError, match="cannot write .*a_file/out"):
         converter.save(str(a_file / "out"))
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_options_and_keyword_settings_fold_into_one_options(tmp_path):
+    path = str(tmp_path / "unread")  # nothing is read before convert()
+    assert Converter(path, batch_size=BATCH).options == Options()
+    converter = Converter(path, batch_size=BATCH, memory_budget="1GiB",
+                          options=Options(workspace_limit="32MiB", memory_budget="2GiB"))
+    assert converter.options == Options(workspace_limit="32MiB", memory_budget="1GiB")
+    assert "32 MiB of workspace per kernel" in converter.summary()
+    with pytest.raises(OptionsError, match="profiles and planner=: those settings"):
+        Converter(path, batch_size=BATCH, planner=split_in_two, profiles=["mine.jsonl"])
+    with pytest.raises(OptionsError, match="trial_steps: not a setting of Options"):
+        Converter(path, batch_size=BATCH, trial_steps=0)

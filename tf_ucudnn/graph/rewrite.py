@@ -240,15 +240,15 @@ def _rewrite_nodes(graph: tf.Graph, node_defs, scope: str, planner: LayerPlanner
             report.not_fused.append(NotFused(forward.name, scope, reason))
         report.layers.append(RewrittenLayer(layer, scope, nodes, plan))
     report.left_alone.extend(orphan_backprops(ops, claimed, scope))
-    report.left_alone.extend(LeftAlone(op.name, scope, UNSUPPORTED[op.type])
-                             for op in graph.get_operations()
-                             if op.type in UNSUPPORTED and op.name in by_name)
+    report.left_alone.extend(left_unsupported(graph, by_name, scope))
 
 
 def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
                       graph: Optional[tf.Graph] = None, unfused_because: Optional[str] = None,
                       ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
-    """A copy of `graph_def` with its convolutions (main graph and library) replaced.
+    """A copy of `graph_def` with its convolutions (main graph and library) replaced, and the
+    report of each convolution node rewritten or left alone with why (`unreported_convolutions`
+    lists any it missed).
 
     `graph`, the graph `graph_def` came from, gives shapes a bare GraphDef may not hold (a
     variable's, for one); without it the GraphDef is imported to infer them. Each planned layer
@@ -282,7 +282,6 @@ def rewrite_graph_def(graph_def: graph_pb2.GraphDef, planner: LayerPlanner,
         prepare([layer for _, body, *_ in scopes for layer in find_conv_layers(body)[0]])
     for scope, body, node_defs, kept, unfused, returns in scopes:
         _rewrite_nodes(body, node_defs, scope, planner, report, kept, unfused, returns)
-    _check_every_convolution_reported(graph_def, report)
     return rewritten, report
 
 
@@ -290,23 +289,27 @@ class UnreportedConvolution(TfUcudnnError, RuntimeError):
     """The pass's guarantee broke: a convolution node neither rewritten nor reported left alone."""
 
 
-def _check_every_convolution_reported(graph_def: graph_pb2.GraphDef,
-                                      report: RewriteReport) -> None:
-    """The pass's guarantee: every convolution-like node of the main graph and the library is
-    in the report, rewritten or left alone with why."""
+def left_unsupported(graph: tf.Graph, names, scope: str) -> list:
+    """The ops among `names` tf_ucudnn has no op for (`UNSUPPORTED`), reported as left alone."""
+    return [LeftAlone(op.name, scope, UNSUPPORTED[op.type]) for op in graph.get_operations()
+            if op.type in UNSUPPORTED and op.name in names]
+
+
+def unreported_convolutions(graph_def: graph_pb2.GraphDef, report: RewriteReport) -> list[str]:
+    """The convolution-like nodes of `graph_def` (main graph and library) that `report`, a
+    convolution pass's report on it, neither rewrote, split nor left alone with why: none, by
+    the pass's guarantee."""
     reported = {(item.scope, item.node) for item in report.left_alone}
     reported |= {(item.scope, name.removesuffix(GROUPED_SUFFIX)) for item in report.layers
                  for name in item.nodes.values()}
     reported |= {(item.scope, item.layer) for item in report.fused}
+    reported |= {("", name) for item in report.spatial for name in item.nodes.values()}
     scopes = [("", graph_def.node)] + [(function.signature.name, function.node_def)
                                        for function in graph_def.library.function]
-    missing = [f"{scope + ': ' if scope else ''}{node.name} ({node.op})"
-               for scope, nodes in scopes for node in nodes
-               if (node.op in PLANNED or node.op in UNSUPPORTED)
-               and (scope, node.name) not in reported]
-    if missing:
-        raise UnreportedConvolution(f"the convolution pass neither rewrote nor reported "
-                                    f"{len(missing)} node(s): {', '.join(missing[:5])}")
+    return [f"{scope + ': ' if scope else ''}{node.name} ({node.op})"
+            for scope, nodes in scopes for node in nodes
+            if (node.op in PLANNED or node.op in UNSUPPORTED)
+            and (scope, node.name) not in reported]
 
 
 def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: bool = False,
@@ -318,24 +321,40 @@ def rewrite_convolutions(target, planner: LayerPlanner, *, inline_functions: boo
     a ConcreteFunction's calls to other functions (a restored SavedModel's signatures are such
     calls) are inlined first, so that their convolutions get the caller's fully known shapes.
     Layers are fused with their bias and ReLU unless `unfused_because` says why not (see
-    `rewrite_graph_def`).
+    `rewrite_graph_def`). UnreportedConvolution, naming them, if the pass neither rewrote nor
+    reported some convolution nodes.
     """
-    return apply_graph_pass(target, lambda graph_def, graph: rewrite_graph_def(
-        graph_def, planner, graph, unfused_because), inline_functions=inline_functions)
+    def rewrite_and_check(graph_def, graph):
+        rewritten, report = rewrite_graph_def(graph_def, planner, graph, unfused_because)
+        missing = unreported_convolutions(graph_def, report)
+        if missing:
+            raise UnreportedConvolution(f"the convolution pass neither rewrote nor reported "
+                                        f"{len(missing)} node(s): {', '.join(missing[:5])}")
+        return rewritten, report
+
+    return apply_graph_pass(target, rewrite_and_check, inline_functions=inline_functions)
+
+
+def graph_def_of(target) -> tuple[graph_pb2.GraphDef, Optional[tf.Graph], Optional[object]]:
+    """A GraphDef, a tf.Graph or a ConcreteFunction as a GraphDef, with the tf.Graph it was built
+    from (None for a GraphDef) and the ConcreteFunction whose inputs, outputs and variables its
+    placeholders are (None but for a ConcreteFunction)."""
+    if isinstance(target, graph_pb2.GraphDef):
+        return target, None, None
+    if isinstance(target, tf.Graph):
+        return target.as_graph_def(), target, None
+    if is_concrete_function(target):
+        return target.graph.as_graph_def(), target.graph, target
+    raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
+                    f"{type(target).__name__} (for a tf.function, pass "
+                    "fn.get_concrete_function(...))")
 
 
 def apply_graph_pass(target, graph_pass, *, inline_functions: bool = False):
     """Runs `graph_pass(graph_def, graph or None) -> (graph_def, report)` over a GraphDef, a
     tf.Graph or a ConcreteFunction, returning what `rewrite_convolutions` does."""
-    if isinstance(target, graph_pb2.GraphDef):
-        return graph_pass(target, None)
-    if isinstance(target, tf.Graph):
-        return graph_pass(target.as_graph_def(), target)
-    if is_concrete_function(target):
-        if inline_functions:
-            target = inline_function_calls(target).get_concrete_function()
-        graph_def, report = graph_pass(target.graph.as_graph_def(), target.graph)
-        return callable_over(graph_def, target), report
-    raise TypeError(f"rewrite takes a GraphDef, a tf.Graph or a ConcreteFunction, got "
-                    f"{type(target).__name__} (for a tf.function, pass "
-                    "fn.get_concrete_function(...))")
+    if inline_functions and is_concrete_function(target):
+        target = inline_function_calls(target).get_concrete_function()
+    graph_def, graph, function = graph_def_of(target)
+    rewritten, report = graph_pass(graph_def, graph)
+    return (rewritten if function is None else callable_over(rewritten, function)), report

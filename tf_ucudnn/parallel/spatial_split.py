@@ -7,9 +7,9 @@ device, convolve each slab with its halo and concatenate the outputs (or the gra
 the convolution work and its activations are spread over the devices while the rest of the graph
 is left as it was. The backward functions differentiate the forward one with each gradient op
 colocated with its forward op, so the backward convolutions run on the slabs' devices too. Each
-device's part can carry a micro-batch plan. A layer the split cannot serve (channels-first,
-explicit padding, slabs thinner than its halo, a convolution inside a library function) is
-reported with the reason.
+device's part can carry a micro-batch plan. A layer the split cannot serve (depthwise,
+channels-first, explicit padding, slabs thinner than its halo, a convolution inside a library
+function) is reported with the reason, as is every other convolution-like node.
 """
 
 from __future__ import annotations
@@ -22,17 +22,23 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2
 
 from tf_ucudnn.core.conv_layer import ConvLayer, UnsupportedConvolution
 from tf_ucudnn.core.plan import BACKPROP_FILTER, BACKPROP_INPUT, FORWARD, LayerPlanner
-from tf_ucudnn.graph.conv_layers import conv_layer_of
+from tf_ucudnn.graph.conv_layers import DEPTHWISE, conv_layer_of
 from tf_ucudnn.graph.functions import graph_of
 from tf_ucudnn.graph.rewrite import (
-    REPLACEMENTS,
+    PLANNED,
+    UNSUPPORTED,
     conv_ops,
     kernel_nodes,
     leave_layer_alone,
+    left_unsupported,
     orphan_backprops,
 )
 from tf_ucudnn.parallel import spatial
 from tf_ucudnn.report import LeftAlone, RewriteReport
+
+
+# The op each node of a split layer becomes: a call of the function that splits it.
+SPLIT_CALL = "PartitionedCall"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,8 @@ class SplitLayer:
 
 
 def _unsplittable(layer: ConvLayer) -> Optional[str]:
+    if layer.op_type == DEPTHWISE:
+        return "a depthwise convolution; the spatial split takes Conv2D and Conv3D"
     if not layer.channels_last:
         return (f"{layer.data_format} is channels-first; the spatial split cuts channels-last "
                 "tensors along their first spatial dimension")
@@ -88,7 +96,7 @@ def _call(node, function, inputs: list, dtype) -> None:
     name, device = node.name, node.device
     node.Clear()
     node.name = name
-    node.op = "PartitionedCall"
+    node.op = SPLIT_CALL
     node.input.extend(inputs + control)
     node.device = device
     node.attr["Tin"].CopyFrom(attr_value_pb2.AttrValue(
@@ -109,16 +117,17 @@ def _add_functions(library, function) -> None:
 def split_graph_def(graph_def: graph_pb2.GraphDef, devices: Sequence[str],
                     planner: Optional[LayerPlanner] = None,
                     graph: Optional[tf.Graph] = None) -> tuple[graph_pb2.GraphDef, RewriteReport]:
-    """A copy of `graph_def` whose main-graph convolution layers are split over `devices`."""
+    """A copy of `graph_def` whose main-graph convolution layers are split over `devices`, and
+    the report of each convolution node split or left alone with why."""
     devices = tuple(devices)
     rewritten = graph_pb2.GraphDef()
     rewritten.CopyFrom(graph_def)
     report = RewriteReport()
     graph = graph_of(graph_def, graph)
     by_name = {node.name: node for node in rewritten.node}
-    ops = conv_ops(graph, by_name)
+    ops = conv_ops(graph, by_name, PLANNED)
     claimed = set()
-    for forward in (op for op in ops if REPLACEMENTS[op.type][1] == FORWARD):
+    for forward in (op for op in ops if PLANNED[op.type][1] == FORWARD):
         try:
             layer = conv_layer_of(forward)
             reason = _unsplittable(layer)
@@ -140,9 +149,10 @@ def split_graph_def(graph_def: graph_pb2.GraphDef, devices: Sequence[str],
         report.spatial.append(SplitLayer(forward.name, nodes, devices, tuple(
             spatial.even_sizes(layer.input_shape[spatial.SPLIT_AXIS], len(devices)))))
     report.left_alone.extend(orphan_backprops(ops, claimed, ""))
+    report.left_alone.extend(left_unsupported(graph, by_name, ""))
     for function in graph_def.library.function:
         for node in function.node_def:
-            if node.op in REPLACEMENTS:
+            if node.op in PLANNED or node.op in UNSUPPORTED:
                 report.left_alone.append(LeftAlone(
                     node.name, function.signature.name, "not split: inside a library function; "
                     "rewrite with inline_functions=True to split it in its caller"))

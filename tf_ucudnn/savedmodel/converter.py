@@ -1,6 +1,6 @@
 """SavedModel conversion, in the manner of TF-TRT's `TrtGraphConverterV2`:
 
-    converter = tf_ucudnn.Converter("model_dir", batch_size=128, workspace_limit="64MiB")
+    converter = tf_ucudnn.Converter("model_dir", batch_size=128, workspace_limit="32MiB")
     converter.convert()
     converter.save("model_ucudnn")
     print(converter.summary())
@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import LayerPlanner
-from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError, Size
-from tf_ucudnn.pipeline import conv_planner, plan_graph
+from tf_ucudnn.options import Options, OptionsError
+from tf_ucudnn.pipeline import conv_planner, entry_options, plan_graph
 from tf_ucudnn.profiling.database import ProfileDatabaseError
 from tf_ucudnn.report import RewriteReport
 
@@ -43,36 +43,35 @@ class Converter:
     Args:
       input_saved_model_dir: the SavedModel to convert.
       batch_size: the batch size to plan for.
-      workspace_limit: each kernel's cuDNN workspace limit, as bytes or a size such as "64MiB".
-      memory_budget: optionally, the device memory each signature's graph must fit in at the
-        planned batch size (checked by the memory planner, which also swaps and recomputes
-        where a signature keeps tensors for a backward pass, and where that is not enough runs
-        its ops up to a pooling in micro-batches); a BudgetError says by how much.
-      micro_batches: the numbers of micro-batches to try for that (`tf_ucudnn.rewrite`'s).
-      device_model: the `tf_ucudnn.memory.DeviceModel` for that (measured on a GPU if not given).
-      workspace_budget: optionally, a bound on all kernels' workspaces together (planned by the
-        network-wide ILP).
+      options: a `tf_ucudnn.Options` (its defaults if None): `workspace_limit` (each kernel's
+        cuDNN workspace), `workspace_budget` (optionally, all kernels' workspaces together,
+        planned by the network-wide ILP), `memory_budget`, `micro_batches`, and what the
+        default planner plans from (`database`, `profiles`, `device`, `cudnn_version`).
       planner: gives each layer its plan or a reason to leave it alone; by default a
-        `DatabasePlanner` over `database` (measuring on a GPU, else planning from `profiles`
-        imported into it, of `device` and `cudnn_version` if it holds several machines').
+        `DatabasePlanner` over the options' database (measuring on a GPU, else planning from
+        the profiles imported into it). The settings only that planner reads, given beside a
+        planner, are an OptionsError naming them.
+      device_model: the `tf_ucudnn.memory.DeviceModel` for the memory budget (measured on a GPU
+        if not given).
       signature_keys: the signatures to convert (default: all); the others are not saved.
+      **overrides: any setting of `options` by name, over it (sizes in bytes or such as
+        "16GiB"); a name that is no setting is an OptionsError naming it.
+
+    With a `memory_budget`, each signature's graph must fit in it at the planned batch size
+    (checked by the memory planner, which also swaps and recomputes where a signature keeps
+    tensors for a backward pass, and where that is not enough runs its ops up to a pooling in
+    whichever of `micro_batches` micro-batches fits); a BudgetError says by how much.
     """
 
     def __init__(self, input_saved_model_dir: str, *, batch_size: int,
-                 workspace_limit: Size = DEFAULT_WORKSPACE_LIMIT, workspace_budget: Size = None,
-                 memory_budget: Size = None, device_model=None,
-                 micro_batches: Sequence[int] = (4, 8), planner: Optional[LayerPlanner] = None,
-                 signature_keys: Optional[Sequence[str]] = None, database: Optional[str] = None,
-                 profiles: Sequence[str] = (), device: Optional[str] = None,
-                 cudnn_version: Optional[int] = None, options: Optional[Options] = None):
+                 options: Optional[Options] = None, planner: Optional[LayerPlanner] = None,
+                 device_model=None, signature_keys: Optional[Sequence[str]] = None,
+                 **overrides):
         if batch_size <= 0:
             raise OptionsError(f"batch_size must be positive, got {batch_size}")
         self.input_saved_model_dir = input_saved_model_dir
         self.batch_size = batch_size
-        self.options = options or Options(
-            workspace_limit=workspace_limit, workspace_budget=workspace_budget,
-            memory_budget=memory_budget, micro_batches=micro_batches, database=database,
-            profiles=profiles, device=device, cudnn_version=cudnn_version)
+        self.options = entry_options(options, planner, **overrides)
         self._planner = planner
         self._device_model = device_model
         self._signature_keys = signature_keys

@@ -48,6 +48,14 @@ def rewire(nodes: dict, kept: KeptTensor, replacement: str, error: type) -> None
             consumer.input[i] = replacement
 
 
+def unreplaced_readers(nodes: dict, kept: KeptTensor) -> list[str]:
+    """The backward consumers of `kept` that are not in `nodes` or still read the tensor itself:
+    none once a swap or recomputation has handed them its replacement."""
+    referring = kept.input_names()
+    return [name for name in kept.backward_consumers
+            if name not in nodes or referring & set(nodes[name].input)]
+
+
 def protect(node) -> None:
     """Marks a node for Grappler to keep as it is (not folded, pruned or merged)."""
     node.attr["_grappler_do_not_remove"].CopyFrom(attr_value_pb2.AttrValue(b=True))

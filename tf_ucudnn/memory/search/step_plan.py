@@ -19,6 +19,7 @@ import warnings
 from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 from tf_ucudnn.core.errors import PrefixError
 from tf_ucudnn.core.step_memory_plan import StepMemoryPlan
@@ -329,7 +330,13 @@ def _after_forward(operations, report: LivenessReport, op_ms) -> set:
 
 
 def apply_memory_plan(function, plan: MemoryPlan):
-    """The step with the plan's recomputations and swaps made, as a tf.function.
+    """The step with the plan's recomputations and swaps made, as a tf.function (see
+    `planned_graph_def` for how to run it on a GPU)."""
+    return callable_over(planned_graph_def(function, plan), function)
+
+
+def planned_graph_def(function, plan: MemoryPlan) -> graph_pb2.GraphDef:
+    """The step's graph with the plan's recomputations and swaps made.
 
     On a GPU, run it with Grappler's layout optimizer off
     (`tf.config.optimizer.set_experimental_options({"layout_optimizer": False})`): it turns the
@@ -354,9 +361,8 @@ def apply_memory_plan(function, plan: MemoryPlan):
                           "plan does not count in the first step; leave room beside the budget, "
                           "or set TF_CUDNN_USE_AUTOTUNE=0 (cuDNN's heuristics choose instead)")
     graph_def = insert_recomputes(function.graph.as_graph_def(), plan.recomputes, function.graph)
-    graph_def = insert_swaps(graph_def, _with_clone_readers(
+    return insert_swaps(graph_def, _with_clone_readers(
         graph_def, plan, function.graph.get_operations()))
-    return callable_over(graph_def, function)
 
 
 def _with_clone_readers(graph_def, plan: MemoryPlan, operations) -> list[Swap]:
@@ -496,11 +502,22 @@ def plan_step_with_prefix(function, budget_bytes: int, device_model: DeviceModel
     plan fits, in whichever of `micro_batches` gives the shortest predicted step, as
     `plan_keras_step` does for a Keras model. BudgetError, with the smallest shortfall, if
     nothing fits; its message lists what was tried."""
+    step, prefix = choose_prefix(function, budget_bytes, device_model, step_ms, micro_batches,
+                                 cuts)
+    return apply_memory_plan(step, prefix.plan), prefix
+
+
+def choose_prefix(function, budget_bytes: int, device_model: DeviceModel,
+                  step_ms: Optional[float], micro_batches: Iterable[int],
+                  cuts: Optional[Iterable[str]] = None):
+    """The search of `plan_step_with_prefix`, its plan not yet made in the step: the step chosen
+    (`function`, or a ConcreteFunction of it with its ops up to the cut in micro-batches) and
+    its PrefixStepPlan."""
     def trace(cut: Optional[str], count: int):
         return function if cut is None else \
             micro_batched_prefix(function, cut, count).get_concrete_function()
 
     found = plan_with_micro_batches(trace, budget_bytes, device_model, step_ms,
                                     cut_candidates(function, cuts), micro_batches)
-    return apply_memory_plan(found.step, found.plan), PrefixStepPlan(
-        found.plan, found.cut, found.micro_batches, found.passed_over)
+    return found.step, PrefixStepPlan(found.plan, found.cut, found.micro_batches,
+                                      found.passed_over)

@@ -22,8 +22,7 @@ from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.passes.node_edits import set_kernel_plan
 from tf_ucudnn.memory.search.greedy import BudgetError
-from tf_ucudnn.memory.search.step_plan import plan_step_with_prefix
-from tf_ucudnn.options import DEFAULT_MICRO_BATCHES
+from tf_ucudnn.memory.search.step_plan import choose_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +140,13 @@ def _said(outcome: StepOutcome, cost: Optional[float]) -> str:
             f"{cost:.3f} ms")
 
 
-def plan_step_with_workspaces(step, fronts: Mapping[str, Sequence[KernelConfiguration]],
-                              budget_bytes: int, device_model: DeviceModel,
-                              step_ms: Optional[float] = None,
-                              micro_batches=DEFAULT_MICRO_BATCHES):
-    """`plan_step_with_prefix` for a step (a ConcreteFunction) whose planned convolution kernels
-    (node name -> Pareto front) have their workspace chosen with the memory plan. Returns the
-    planned step, its PrefixStepPlan and the WorkspacePlan."""
+def choose_step_workspaces(step, fronts: Mapping[str, Sequence[KernelConfiguration]],
+                           budget_bytes: int, device_model: DeviceModel,
+                           step_ms: Optional[float], micro_batches: Sequence[int]):
+    """`choose_prefix` for a step (a ConcreteFunction) whose planned convolution kernels (node
+    name -> Pareto front) have their workspace chosen with the memory plan. Returns the step
+    chosen (with those kernels' plans, and the prefix in micro-batches, if any), its
+    PrefixStepPlan, whose plan `planned_graph_def` makes in it, and the WorkspacePlan."""
     # The step may run the rewritten graph imported under a scope: its nodes by their names
     # as the rewrite named them.
     in_step = {_node(op.name): op.name for op in step.graph.get_operations()}
@@ -163,19 +162,19 @@ def plan_step_with_workspaces(step, fronts: Mapping[str, Sequence[KernelConfigur
                             configuration.workspace_bytes)
         chosen = callable_over(graph_def, step).get_concrete_function()
         try:
-            planned, prefix = plan_step_with_prefix(chosen, budget_bytes, device_model,
-                                                    step_ms=step_ms, micro_batches=micro_batches)
+            prefixed, prefix = choose_prefix(chosen, budget_bytes, device_model, step_ms,
+                                             micro_batches)
         except BudgetError as error:
             # The error's op indexes whichever step it was closest with (whole batches or a
             # prefix in micro-batches): the step's own peak op names the kernel to lower.
             return StepOutcome(None, None, _node(analyze(chosen).peak_op), error)
         prediction = prefix.plan.decisions.prediction
-        return StepOutcome((planned, prefix), prediction.step_ms,
+        return StepOutcome((prefixed, prefix), prediction.step_ms,
                            _node(prefix.plan.liveness.ops[prediction.peak_op].name))
 
     outcome, workspaces = choose_workspaces(fronts, plan_for)
-    planned, prefix = outcome.result
-    return planned, prefix, workspaces
+    prefixed, prefix = outcome.result
+    return prefixed, prefix, workspaces
 
 
 def _node(name: str) -> str:
