@@ -13,7 +13,7 @@ import numpy as np
 import tf_ucudnn
 from tf_ucudnn.keras import keras_training_step
 from tf_ucudnn.memory import DeviceModel, analyze
-from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
+from tf_ucudnn.memory.timeline import memory_timeline, write_timeline_png
 
 BATCH = 64
 

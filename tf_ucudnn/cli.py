@@ -53,7 +53,7 @@ from tf_ucudnn.keras import models
 from tf_ucudnn.keras.planned_step import keras_training_step, plan_keras_step
 from tf_ucudnn.memory.analysis.kernel_live_bytes import training_live_bytes
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
+from tf_ucudnn.memory.timeline import memory_timeline, write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.options import DEFAULT_WORKSPACE_LIMIT, Options, OptionsError
 from tf_ucudnn.profiling import (

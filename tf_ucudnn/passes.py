@@ -30,7 +30,8 @@ from tf_ucudnn.graph.functions import callable_over
 from tf_ucudnn.graph.rewrite import REPLACEMENTS, rewrite_graph_def, unreported_convolutions
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.passes.graph_edits import unreplaced_readers
-from tf_ucudnn.memory.search.step_plan import choose_prefix, planned_graph_def
+from tf_ucudnn.memory.search.prefix_search import choose_prefix
+from tf_ucudnn.memory.search.step_plan import planned_graph_def
 from tf_ucudnn.memory.search.workspace_choice import choose_step_workspaces
 from tf_ucudnn.options import Options
 from tf_ucudnn.parallel.spatial_split import SPLIT_CALL, split_graph_def

@@ -72,7 +72,7 @@ class RewriteReport:
     spatial: list = dataclasses.field(default_factory=list)  # graph.spatial_split.SplitLayer
     # The memory plan, when one was made (a tf_ucudnn.core.step_memory_plan.StepMemoryPlan).
     memory: Optional[StepMemoryPlan] = None
-    # With a MemoryPlan, a tf_ucudnn.memory.search.step_plan.PrefixStepPlan: the ops run in
+    # With a MemoryPlan, a tf_ucudnn.memory.search.prefix_search.PrefixStepPlan: the ops run in
     # micro-batches, if any, and the choices passed over.
     memory_prefix: Optional[object] = None
     # A tf_ucudnn.memory.search.workspace_choice.WorkspacePlan: the planned kernels given less

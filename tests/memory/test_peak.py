@@ -8,14 +8,13 @@ import pytest
 from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks, RangeMax
+from tf_ucudnn.memory.cost.peaks import peak_from_op_events, swept_peak
 from tf_ucudnn.memory.cost.simulator import (
     RecomputeDecision,
     StepSimulator,
     SwapDecision,
     due_times,
-    peak_from_op_events,
     predict,
-    swept_peak,
 )
 
 

@@ -4,7 +4,7 @@ import pytest
 from training_steps import SLOW_LINK, conv_training_step
 
 from tf_ucudnn.memory.analysis.liveness import analyze
-from tf_ucudnn.memory.analysis.timeline import memory_timeline, write_timeline_png
+from tf_ucudnn.memory.timeline import memory_timeline, write_timeline_png
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.step_plan import plan_step_memory
 

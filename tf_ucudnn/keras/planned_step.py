@@ -21,11 +21,8 @@ from tf_ucudnn.keras.streamed_conv_bn import streamed_conv_batch_norm
 from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.search.greedy import BudgetError
-from tf_ucudnn.memory.search.step_plan import (
-    MemoryPlan,
-    apply_memory_plan,
-    plan_with_micro_batches,
-)
+from tf_ucudnn.memory.search.prefix_search import plan_with_micro_batches
+from tf_ucudnn.memory.search.step_plan import MemoryPlan, apply_memory_plan
 from tf_ucudnn.memory.search.workspace_choice import StepOutcome, WorkspacePlan, choose_workspaces
 from tf_ucudnn.options import DEFAULT_MICRO_BATCHES, KerasOptions
 

@@ -10,7 +10,7 @@ from tf_ucudnn.memory.passes.graph_prefix import micro_batched_prefix, prefix_cu
 from tf_ucudnn.memory.passes.recompute import Recompute, insert_recomputes
 from tf_ucudnn.memory.passes.swap import Swap, insert_swaps
 from tf_ucudnn.memory.search.greedy import BudgetError, MemoryDecisions, plan_memory
-from tf_ucudnn.memory.search.step_plan import PrefixStepPlan, plan_step_with_prefix
+from tf_ucudnn.memory.search.prefix_search import PrefixStepPlan, plan_step_with_prefix
 
 __all__ = [
     "BudgetError", "DeviceModel", "LivenessReport", "MemoryDecisions", "PrefixStepPlan",

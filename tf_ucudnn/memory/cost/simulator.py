@@ -24,6 +24,8 @@ import numpy as np
 from tf_ucudnn.memory.analysis.tensor_use import TensorUse
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.cost.op_start_peaks import OpStartPeaks
+from tf_ucudnn.memory.cost.peaks import peak_from_op_events, swept_peak
+from tf_ucudnn.memory.cost.tensor_table import PREPARED_KEPT, PreparedRecomputes, TensorTable
 
 try:  # `StepSimulator.predict`'s inner loop, compiled (cc/memory/step_simulator.cc)
     from tf_ucudnn import _step_simulator
@@ -399,35 +401,6 @@ class _Schedule(NamedTuple):
     transfer: float
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorTable:
-    """The tensors' names, producers, last readers, sizes and last forward readers, as
-    arrays."""
-
-    tensors: Sequence[TensorUse]
-    by_name: Mapping[str, TensorUse]
-    index: Mapping[str, int]
-    producers: np.ndarray
-    lasts: np.ndarray
-    sizes: np.ndarray
-    last_forward_uses: np.ndarray
-    device_names: tuple[str, ...]
-    devices: np.ndarray  # indices into device_names
-    first_backward: Mapping[str, int]  # of the tensors kept for the backward pass
-
-    @classmethod
-    def of(cls, tensors: Sequence[TensorUse]) -> "TensorTable":
-        names = tuple(sorted({t.device for t in tensors})) or ("",)
-        return cls(
-            tensors, {t.name: t for t in tensors}, {t.name: i for i, t in enumerate(tensors)},
-            np.array([t.producer for t in tensors], dtype=int),
-            np.array([max(t.consumers, default=t.producer) for t in tensors], dtype=int),
-            np.array([t.bytes for t in tensors], dtype=np.int64),
-            np.array([t.last_forward_use for t in tensors], dtype=int), names,
-            np.array([names.index(t.device) for t in tensors], dtype=int),
-            {t.name: t.backward_consumers[0] for t in tensors if t.backward_consumers})
-
-
 def _native_step(durations: np.ndarray, prefix: np.ndarray, table: TensorTable,
                  device_model: DeviceModel):
     """The compiled simulator's copy of what does not depend on the decisions; None where it is
@@ -441,70 +414,6 @@ def _native_step(durations: np.ndarray, prefix: np.ndarray, table: TensorTable,
         table.devices, len(table.device_names), dict(table.index),
         [t.name for t in table.tensors], device_model.device_to_host,
         device_model.host_to_device)
-
-
-PREPARED_KEPT = 64  # tuples of recomputations prepared and kept: a round's few
-
-
-@dataclasses.dataclass(frozen=True)
-class PreparedRecomputes:
-    """What a tuple of recomputations decides of a prediction, whatever is swapped: the costs of
-    those run before each op, the swapped tensors each op waits for, and the rows and transient
-    tensors of the pieces they are held in."""
-
-    recomputed_before: Mapping[int, list[float]]  # op -> the costs of those run before it
-    waits: Mapping[int, list[str]]  # op -> swapped tensors a recomputation before it reads
-    # The recomputed tensors' rows in the table: those recomputed on their own in the order
-    # they run, then those made with another, whose positions among the first are `owners`.
-    rows: np.ndarray
-    owners: tuple[int, ...]
-    due: Mapping[str, int]
-    cost_ms: float
-    transient_positions: np.ndarray  # among `rows`, of those with a transient tensor
-    transient_rows: np.ndarray
-    transient_bytes: np.ndarray
-    transient_ms: np.ndarray
-
-    @classmethod
-    def of(cls, table: TensorTable, recomputes: Sequence[RecomputeDecision]):
-        first_backward, index = table.first_backward, table.index
-        # One pass over the decisions, then one over those on their own in the order they run
-        # (by the op they run before, in the order given for the same op): a search prepares
-        # thousands of tuples of a few hundred.
-        running, made_with, waits, cost_ms = [], [], {}, 0
-        due: dict[str, int] = {}  # as due_times: most read nothing swapped, and are skipped
-        for i, decision in enumerate(recomputes):
-            cost_ms += decision.cost_ms  # in the order given, as sum() adds them
-            if decision.made_with is None:
-                running.append((first_backward[decision.tensor], i))
-            else:
-                made_with.append(decision)
-            if decision.swapped_reads:
-                when = first_backward[decision.tensor]
-                for read in decision.swapped_reads:
-                    waits.setdefault(when, []).append(read)
-                    due[read] = min(due.get(read, first_backward[read]), when)
-        running.sort()
-        recomputed_before: dict[int, list[float]] = {}
-        position, rows, transient = {}, [], []
-        for rank, (op, i) in enumerate(running):
-            decision = recomputes[i]
-            recomputed_before.setdefault(op, []).append(decision.cost_ms)
-            position[decision.tensor] = rank
-            rows.append(index[decision.tensor])
-            if decision.transient_bytes:
-                transient.append((rank, decision))
-        for rank, decision in enumerate(made_with, len(running)):
-            rows.append(index[decision.tensor])
-            if decision.transient_bytes:
-                transient.append((rank, decision))
-        return cls(
-            recomputed_before, waits, np.array(rows, dtype=int),
-            tuple(position[d.made_with] for d in made_with), due, cost_ms,
-            np.array([i for i, _ in transient], dtype=int),
-            np.array([index[d.tensor] for _, d in transient], dtype=int),
-            np.array([d.transient_bytes for _, d in transient], dtype=np.int64),
-            np.array([d.cost_ms for _, d in transient], dtype=float))
 
 
 def needed_by(tensor: TensorUse, due: Mapping[str, int]) -> int:
@@ -521,74 +430,6 @@ def due_times(by_name: Mapping[str, TensorUse], recomputes) -> dict[str, int]:
         for read in decision.swapped_reads:
             due[read] = min(needed_by(by_name[read], due), when)
     return due
-
-
-def swept_peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> tuple[int, float]:
-    """Most bytes held at once by half-open [start, end) intervals, and when (the earliest
-    time they are held), by a sweep over every allocation and free in time order."""
-    held = ends > starts
-    starts, ends, sizes = starts[held], ends[held], sizes[held]
-    if not len(sizes):
-        return 0, 0.0
-    times = np.concatenate([starts, ends])
-    changes = np.concatenate([sizes, -sizes])
-    # At equal times frees come before allocations: a buffer freed as another is taken.
-    order = np.lexsort((changes > 0, times))
-    totals = np.cumsum(changes[order])
-    best = int(np.argmax(totals))
-    return int(max(totals[best], 0)), float(times[order][best])
-
-
-def peak_from_op_events(start: np.ndarray, end: np.ndarray, allocated: np.ndarray,
-                        freed: np.ndarray, piece_starts: np.ndarray, piece_ends: np.ndarray,
-                        piece_sizes: np.ndarray) -> Optional[tuple[int, float]]:
-    """`swept_peak` of the tensors that ops allocate (`allocated[i]` bytes at `start[i]`) and
-    free (`freed[i]` at `end[i]`), and of pieces held from `piece_starts` to `piece_ends`,
-    without sorting the tensors: None where it cannot tell (op times out of order, or no bytes
-    held).
-
-    The bytes held at a time T, after what happens at T, are those allocated by T less those
-    freed by T (an interval that starts and ends at once adds nothing). Their most is first
-    reached at an allocation, at an op's start or a piece's: so the bytes held at each op's start
-    and each piece's start are all the sweep needs. Where the ops' times interleave (each starts
-    before it ends, and ends before the next starts) as they do but for ties, rounding or ops of
-    no duration, the allocations by op i's start are ops 0..i's, and the frees ops 0..i-1's; the
-    exceptions are looked up in the sorted times."""
-    count = len(start)
-    if not count or np.any(start[1:] < start[:-1]) or np.any(end[1:] < end[:-1]) or \
-            np.any(end < start):
-        return None
-    held = piece_ends > piece_starts  # as in the sweep, pieces not held at all left out
-    piece_starts, piece_ends, piece_sizes = piece_starts[held], piece_ends[held], piece_sizes[held]
-    allocated_by = np.concatenate([[0], np.cumsum(allocated)])
-    freed_by = np.concatenate([[0], np.cumsum(freed)])
-    started, ended = np.arange(1, count + 1), np.arange(count)
-    tied = np.flatnonzero(start[1:] == start[:-1])
-    started[tied] = np.searchsorted(start, start[tied], "right")
-    overlapping = np.flatnonzero((end <= start) | np.concatenate([[False], end[:-1] > start[1:]]))
-    ended[overlapping] = np.searchsorted(end, start[overlapping], "right")
-    held = allocated_by[started] - freed_by[ended]
-    # The pieces held at each op's start: from the first op starting at or after each piece's
-    # start, to the first at or after its end.
-    change = np.zeros(count + 1, dtype=np.int64)
-    np.add.at(change, np.searchsorted(start, piece_starts, "left"), piece_sizes)
-    np.add.at(change, np.searchsorted(start, piece_ends, "left"), -piece_sizes)
-    held += np.cumsum(change[:-1])
-    # And at each piece's start: the ops' tensors and the pieces held then.
-    by_start, by_end = np.argsort(piece_starts), np.argsort(piece_ends)
-    pieces_started = np.concatenate([[0], np.cumsum(piece_sizes[by_start])])
-    pieces_ended = np.concatenate([[0], np.cumsum(piece_sizes[by_end])])
-    held_at_pieces = (
-        allocated_by[np.searchsorted(start, piece_starts, "right")]
-        - freed_by[np.searchsorted(end, piece_starts, "right")]
-        + pieces_started[np.searchsorted(piece_starts[by_start], piece_starts, "right")]
-        - pieces_ended[np.searchsorted(piece_ends[by_end], piece_starts, "right")])
-    times = np.concatenate([start, piece_starts])
-    held = np.concatenate([held, held_at_pieces])
-    peak = int(held.max())
-    if peak <= 0:
-        return None
-    return peak, float(times[held == peak].min())
 
 
 def latest_hiding_prefetch(tensor: TensorUse, op_ms: Sequence[float],

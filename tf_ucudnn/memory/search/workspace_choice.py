@@ -22,7 +22,7 @@ from tf_ucudnn.memory.analysis.liveness import analyze
 from tf_ucudnn.memory.cost.device_model import DeviceModel
 from tf_ucudnn.memory.passes.node_edits import set_kernel_plan
 from tf_ucudnn.memory.search.greedy import BudgetError
-from tf_ucudnn.memory.search.step_plan import choose_prefix
+from tf_ucudnn.memory.search.prefix_search import choose_prefix
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,14 +8,12 @@ runs) and of the step as written, beside the budget. For reading a plan, not for
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from tf_ucudnn.core.files import written_whole
 from tf_ucudnn.core.units import UNITS
 from tf_ucudnn.memory.analysis.liveness import LivenessReport
-
-if TYPE_CHECKING:
-    from tf_ucudnn.memory.search.step_plan import MemoryPlan
+from tf_ucudnn.memory.search.step_plan import MemoryPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +50,7 @@ class Timeline:
         return "GiB" if largest >= UNITS["gib"] else "MiB"
 
 
-def memory_timeline(plan: "MemoryPlan", written: Optional[LivenessReport] = None) -> Timeline:
+def memory_timeline(plan: MemoryPlan, written: Optional[LivenessReport] = None) -> Timeline:
     """The timeline of `plan`'s step (`MemoryPlan.live_bytes`: after its swaps and
     recomputations, whose most is the predicted peak) and, if given, of the step as `written`
     (its liveness)."""
