@@ -87,19 +87,21 @@ def test_layers_waiting_are_measured_at_the_epochs_end_and_planned_at_the_next_o
         monkeypatch):
     import tf_ucudnn.keras.callback as callback_module
 
-    # Steps 2 and 3 are timed to estimate the epoch: a median of 20 ms.
-    monkeypatch.setattr(callback_module, "time", FakeClock([0.010, 0.030]))
+    # The first three steps are timed to estimate the first epoch: the first (compiling) 0.5 s,
+    # then a median of 20 ms.
+    monkeypatch.setattr(callback_module, "time", FakeClock([0.5, 0.010, 0.030]))
     _, plain = fit([], epochs=3)
     planner = PendingPlanner()
     callback = MicroBatchCallback(planner=planner, profiling_share=0.5, trial_steps=0, verbose=0)
     seen = PlannedLayersSeen(callback)
     _, history = fit([callback, seen], epochs=3)
     # Planned after the timed steps (nothing: every layer waiting), measured at the first
-    # epoch's end within half of 3 steps of 20 ms, planned when the second began.
+    # epoch's end within half of its estimate (0.5 s and 2 steps of 20 ms), planned when the
+    # second began.
     assert seen.seen == [None, None, 0, 2, 2, 2, 2, 2, 2]
-    assert planner.budgets == [pytest.approx(0.5 * 3 * 0.020)]
+    assert planner.budgets == [pytest.approx(0.5 * (0.5 + 2 * 0.020))]
     assert [item.layer.batch_size for item in callback.report.layers] == [16, 16]
-    assert "profiles measured within 50% of an epoch's time" in \
+    assert "profiles measured within 50% of the first epoch's time" in \
         callback.report.strategies["convolutions"].reason
     np.testing.assert_allclose(history["loss"], plain["loss"], rtol=1e-5)
 
@@ -107,9 +109,9 @@ def test_layers_waiting_are_measured_at_the_epochs_end_and_planned_at_the_next_o
 def test_layers_planned_at_a_later_epoch_are_tried_against_keras_step_again(monkeypatch):
     import tf_ucudnn.keras.callback as callback_module
 
-    # Two steps timed for the estimate, then the trial's: one untimed each way, two each way.
+    # Three steps timed for the estimate, then the trial's: one untimed each way, two each way.
     monkeypatch.setattr(callback_module, "time", FakeClock(
-        [0.010, 0.030] + [1.0, 1.0] + [0.005, 0.010] * 2))
+        [0.5, 0.010, 0.030] + [1.0, 1.0] + [0.005, 0.010] * 2))
     callback = MicroBatchCallback(planner=PendingPlanner(), trial_steps=2, verbose=0)
     fit([callback], epochs=4)
     trial = callback.report.trial
@@ -124,7 +126,7 @@ def test_the_options_own_planner_is_given_the_budget_and_closed(monkeypatch):
 
     monkeypatch.setattr(DatabasePlanner, "measure_pending", PendingPlanner.measure_pending,
                         raising=False)
-    monkeypatch.setattr(callback_module, "time", FakeClock([0.010, 0.030]))
+    monkeypatch.setattr(callback_module, "time", FakeClock([0.5, 0.010, 0.030]))
     planner, opened = PendingPlanner(), []
 
     @contextlib.contextmanager
@@ -135,5 +137,5 @@ def test_the_options_own_planner_is_given_the_budget_and_closed(monkeypatch):
     monkeypatch.setattr(convolutions_module, "conv_planner", conv_planner)
     fit([MicroBatchCallback(trial_steps=0, verbose=0)], epochs=3)
     assert opened == [{"compare_with_xla": False,
-                       "profiling_seconds": pytest.approx(0.25 * 3 * 0.020)}, "closed"]
-    assert planner.budgets == [pytest.approx(0.25 * 3 * 0.020)]
+                       "profiling_seconds": pytest.approx(0.25 * (0.5 + 2 * 0.020))}, "closed"]
+    assert planner.budgets == [pytest.approx(0.25 * (0.5 + 2 * 0.020))]

@@ -55,21 +55,22 @@ def test_a_planner_without_pending_work_takes_no_budget_and_plans_after_the_firs
     assert budget.ready and budget.seconds is None and budget.planner_settings(None) == {}
 
 
-def test_the_budget_is_a_share_of_the_epoch_estimated_from_the_steps_after_the_first():
+def test_the_budget_is_a_share_of_the_first_epoch_estimated_from_its_first_steps():
     budget = ProfilingBudget.choose(KerasOptions(profiling_share=0.5), PendingPlanner(), 100,
                                     plans_at_first_batch=False)
     assert budget.timed_steps == ESTIMATE_STEPS and budget.measures_later
-    budget.step_ended(None)  # the first step compiles: not timed
+    assert budget.wants_step_time() and not budget.ready
+    budget.step_ended(10.0)  # the first step traces and compiles, as Keras's first epoch does
     times = [0.03, 0.01, 0.02]
     for seconds in times:
         assert budget.wants_step_time() and not budget.ready and budget.seconds is None
         budget.step_ended(seconds)
     assert budget.ready and not budget.wants_step_time()
-    assert budget.seconds == pytest.approx(0.5 * 100 * 0.02)
+    assert budget.seconds == pytest.approx(0.5 * (10.0 + 99 * 0.02))
     # A planner given plans by its own settings; the options' own is given the budget.
     assert budget.planner_settings(PendingPlanner()) == {}
-    assert budget.planner_settings(None) == {"profiling_seconds": pytest.approx(1.0)}
-    assert "50% of an epoch's time" in budget.describe()
+    assert budget.planner_settings(None) == {"profiling_seconds": pytest.approx(5.99)}
+    assert "50% of the first epoch's time" in budget.describe()
 
 
 def test_short_epochs_time_fewer_steps_and_unknown_ones_none():

@@ -4,10 +4,11 @@ its first epoch runs about as fast as Keras's.
 Measuring a layer's kernels on the GPU takes seconds; a model of many new layers would spend its
 first epoch measuring. A planner that can leave layers unmeasured (the profile database's, once
 it has `measure_pending`; or one given with it) measures within a budget instead: the options'
-`profiling_seconds`, else `profiling_share` of the epoch's estimated time, the epoch estimated as
-Keras's steps in it times the step's time measured on the steps before planning (the first one
-compiles, so it is not timed; those steps train with Keras's own convolutions, so nothing is
-lost). The layers left waiting are measured at the ends of later epochs within the same budget
+`profiling_seconds`, else `profiling_share` of the first epoch's estimated time: the first step
+(which traces and compiles, as Keras's first epoch does) and Keras's other steps in the epoch at
+the step time measured on the steps after it, before planning (those steps train with Keras's own
+convolutions, so nothing is lost). Measured so, the budget is a share of what the first epoch
+takes without the callback, which its first epoch is held against. The layers left waiting are measured at the ends of later epochs within the same budget
 (`ConvolutionPlanning.measure_pending`), except under a memory budget, whose plans are made once,
 at the first batch, before any step runs.
 """
@@ -42,7 +43,8 @@ class ProfilingBudget:
     timed_steps: int = 0  # steps timed (after the first) before planning
     measures_later: bool = False  # whether layers left waiting are measured at epochs' ends
     steps_seen: int = 0
-    step_seconds: list = dataclasses.field(default_factory=list)
+    first_step_seconds: Optional[float] = None  # tracing and compiling included
+    step_seconds: list = dataclasses.field(default_factory=list)  # the steps after the first
 
     @classmethod
     def choose(cls, options: KerasOptions, planner: Optional[LayerPlanner],
@@ -67,17 +69,21 @@ class ProfilingBudget:
             return self.fixed_seconds
         if self.share is None or len(self.step_seconds) < self.timed_steps:
             return None
-        return self.share * self.epoch_steps * statistics.median(self.step_seconds)
+        return self.share * (self.first_step_seconds + (self.epoch_steps - 1)
+                             * statistics.median(self.step_seconds))
 
     def wants_step_time(self) -> bool:
         """Whether the step about to run is to be timed for the estimate."""
-        return self.steps_seen >= 1 and len(self.step_seconds) < self.timed_steps
+        return self.share is not None and len(self.step_seconds) < self.timed_steps
 
     def step_ended(self, seconds: Optional[float]) -> None:
         """Notes a step before planning, with its time where it was timed."""
-        self.steps_seen += 1
         if seconds is not None:
-            self.step_seconds.append(seconds)
+            if self.steps_seen == 0:
+                self.first_step_seconds = seconds
+            else:
+                self.step_seconds.append(seconds)
+        self.steps_seen += 1
 
     @property
     def ready(self) -> bool:
@@ -96,6 +102,6 @@ class ProfilingBudget:
         if self.fixed_seconds is not None:
             return f"profiles measured within {self.fixed_seconds:g} s at a time"
         if self.share is not None:
-            return (f"profiles measured within {self.share:.0%} of an epoch's time (estimated "
-                    f"from {self.timed_steps} timed step(s)) at a time")
+            return (f"profiles measured within {self.share:.0%} of the first epoch's time "
+                    f"(estimated from its first {self.timed_steps + 1} step(s)) at a time")
         return ""
