@@ -9,8 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 
 namespace tf_ucudnn {
 

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 #include "tensorflow/core/framework/types.pb.h"
 
 namespace tf_ucudnn {

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 #include "cc/conv/conv_attrs.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
 #include "cc/conv/self_check.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"

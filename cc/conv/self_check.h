@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/micro_batch_plan.h"
 #include "tensorflow/core/framework/types.pb.h"
 
 namespace tf_ucudnn {

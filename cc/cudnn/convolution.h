@@ -15,8 +15,8 @@
 #include <cudnn.h>
 
 #include "absl/status/status.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 #include "cc/cudnn/conv_resources.h"
 #include "cc/cudnn/cudnn_support.h"
 #include "cc/cudnn/engines.h"

@@ -13,8 +13,8 @@
 #include <cudnn.h>
 
 #include "absl/status/status.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 
 namespace tf_ucudnn {
 

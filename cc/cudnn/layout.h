@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 #include "cc/cudnn/strided_copy.h"
 
 namespace tf_ucudnn {

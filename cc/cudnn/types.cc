@@ -1,7 +1,7 @@
 // The tables behind types.h, compiled once rather than in every kernel that names an algorithm.
 #include "cc/cudnn/types.h"
 
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/micro_batch_plan.h"
 #include "tsl/platform/tensor_float_32_utils.h"
 
 namespace tf_ucudnn {

@@ -7,7 +7,7 @@
 
 #include <cudnn.h>
 
-#include "cc/conv/conv_geometry.h"
+#include "cc/common/conv_geometry.h"
 #include "cc/cudnn/accumulate.h"
 #include "tensorflow/core/framework/numeric_types.h"
 

@@ -10,8 +10,8 @@
 #include <cudnn.h>
 
 #include "absl/status/status.h"
-#include "cc/conv/conv_geometry.h"
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/conv_geometry.h"
+#include "cc/common/micro_batch_plan.h"
 #include "cc/cudnn/conv_resources.h"
 #include "cc/fused_conv/fused_conv_attrs.h"
 

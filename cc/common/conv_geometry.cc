@@ -1,6 +1,6 @@
 // Parsing convolution attributes and resolving shapes and padding as TensorFlow's own Conv2D and
 // Conv3D do, so that both ops accept and reject the same things.
-#include "cc/conv/conv_geometry.h"
+#include "cc/common/conv_geometry.h"
 
 #include <algorithm>
 #include <sstream>

@@ -1,7 +1,7 @@
 // Convolution attributes, geometry and buffers shared by the op shape functions, the CPU kernels
 // and the cuDNN kernels. Dimension-generic: 2-D (NHWC/NCHW) and 3-D (NDHWC/NCDHW) alike.
-#ifndef TF_UCUDNN_CC_CONV_CONV_GEOMETRY_H_
-#define TF_UCUDNN_CC_CONV_CONV_GEOMETRY_H_
+#ifndef TF_UCUDNN_CC_COMMON_CONV_GEOMETRY_H_
+#define TF_UCUDNN_CC_COMMON_CONV_GEOMETRY_H_
 
 #include <cstdint>
 #include <string>
@@ -120,4 +120,4 @@ std::string ShapeString(const std::vector<int64_t>& shape);
 
 }  // namespace tf_ucudnn
 
-#endif  // TF_UCUDNN_CC_CONV_CONV_GEOMETRY_H_
+#endif  // TF_UCUDNN_CC_COMMON_CONV_GEOMETRY_H_

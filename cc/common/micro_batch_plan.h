@@ -1,7 +1,7 @@
 // The micro-batch plan an op carries: ordered micro-batch sizes, each with an algorithm.
 // Mirrors tf_ucudnn/core/plan.py; see there for the text format of an algorithm.
-#ifndef TF_UCUDNN_CC_CONV_MICRO_BATCH_PLAN_H_
-#define TF_UCUDNN_CC_CONV_MICRO_BATCH_PLAN_H_
+#ifndef TF_UCUDNN_CC_COMMON_MICRO_BATCH_PLAN_H_
+#define TF_UCUDNN_CC_COMMON_MICRO_BATCH_PLAN_H_
 
 #include <cstdint>
 #include <functional>
@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "cc/conv/conv_geometry.h"
+#include "cc/common/conv_geometry.h"
 
 namespace tf_ucudnn {
 
@@ -104,4 +104,4 @@ int AlgorithmCount(ConvKernel kernel);
 
 }  // namespace tf_ucudnn
 
-#endif  // TF_UCUDNN_CC_CONV_MICRO_BATCH_PLAN_H_
+#endif  // TF_UCUDNN_CC_COMMON_MICRO_BATCH_PLAN_H_

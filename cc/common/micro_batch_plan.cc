@@ -1,6 +1,6 @@
 // Plans parsed and checked without cuDNN's headers, so that a bad plan is rejected on any device
 // when its op is built.
-#include "cc/conv/micro_batch_plan.h"
+#include "cc/common/micro_batch_plan.h"
 
 #include <algorithm>
 #include <map>
