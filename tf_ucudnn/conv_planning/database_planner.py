@@ -55,7 +55,7 @@ from tf_ucudnn.core.plan import DIRECT, KERNELS, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
 from tf_ucudnn.options import default_database
-from tf_ucudnn.profiling import ProfileDatabase
+from tf_ucudnn.profiling import ProfileDatabase, packaged_profiles
 from tf_ucudnn.profiling.profiler import Machine, current_machine
 
 
@@ -126,8 +126,11 @@ class DatabasePlanner:
     def open(cls, workspace_limit: Union[int, str, None] = None,
              database: Optional[str] = None, profiles: Iterable[str] = (),
              device: Optional[str] = None, cudnn_version: Optional[int] = None,
-             workspace_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
-        """A planner over the database file (created if new), with `profiles` imported into it.
+             workspace_budget: Union[int, str, None] = None, import_packaged: bool = True,
+             **options) -> "DatabasePlanner":
+        """A planner over the database file (created if new), with `profiles` imported into it,
+        and, with `import_packaged`, the profiles packaged with tf_ucudnn of the machine it plans
+        for, where the database has not measured those kernels itself.
 
         On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
         measurements of `device` (or of the only machine the database holds). `options` go to the
@@ -139,7 +142,13 @@ class DatabasePlanner:
         try:
             for path in profiles:
                 db.import_jsonl(path)
+            if import_packaged and device is not None and cudnn_version is not None:
+                # Before resolving: a database without this machine's measurements may plan from
+                # its packaged ones.
+                db.import_missing(packaged_profiles(), device, cudnn_version)
             machine, can_measure = resolve_machine(db, device, cudnn_version)
+            if import_packaged:
+                db.import_missing(packaged_profiles(), machine.device, machine.cudnn_version)
         except BaseException:
             db.close()
             raise
