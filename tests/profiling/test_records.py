@@ -254,15 +254,17 @@ def test_write_jsonl_writes_whole_files_or_none(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.jsonl.gz"]
 
 
-def test_packaged_profiles_are_the_measured_h100_files():
+def test_packaged_profiles_are_the_measured_files():
     paths = packaged_profiles()
     assert [p.name for p in paths] == ["h100-cudnn9.14-fp32-nchw-alexnet-resnet50-b256.jsonl.gz",
-                                       "h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz"]
+                                       "h100-cudnn9.14-fp32-nhwc-vgg16-resnet50-b128.jsonl.gz",
+                                       "h200-cudnn9.14-fp32-nhwc-resnet50-b128.jsonl.gz"]
     benchmarks = Path(__file__).parents[2] / "benchmarks" / "results"
     for path in paths:
         records = read_jsonl(path)
+        device = H100 if path.name.startswith("h100") else "NVIDIA H200"
         assert {(r.device, r.cudnn_version, r.geometry.dtype) for r in records} == \
-            {(H100, 91400, "float32")}
+            {(device, 91400, "float32")}
         layout = "NHWC" if "nhwc" in path.name else "NCHW"
         assert {r.geometry.layout for r in records} == {layout}
         assert max(r.batch_size for r in records) == (128 if layout == "NHWC" else 256)

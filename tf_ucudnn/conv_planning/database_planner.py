@@ -11,6 +11,11 @@ measured best algorithm: TensorFlow's own choice under the same limit can be far
 pass over a fast algorithm, such as implicit GEMM for VGG16's layers, whose workspace is well
 within the limit). `leave_undivided_to_tensorflow` keeps
 TensorFlow's op for such layers instead, reported as "no gain".
+
+What is missing is measured as `layer_timings` says: compared with XLA, the whole batch first,
+and the micro-batches only where the bound on any plan that the whole batch gives
+(`xla_comparison.plan_bound_ms`) leaves room to beat XLA by the margin; within a profiling
+budget, if one is given.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from typing import Iterable, Mapping, Optional, Union
+import time
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
@@ -29,20 +35,28 @@ from tf_ucudnn.conv_planning.kernel_dp import (
     fastest_configuration,
     pareto_configurations,
 )
+from tf_ucudnn.conv_planning.layer_timings import LayerTimings
 from tf_ucudnn.conv_planning.network_ilp import (
     SHARED_WORKSPACE,
     KernelOptions,
     NetworkPlan,
     optimize_network,
 )
+from tf_ucudnn.conv_planning.xla_comparison import (
+    LayerPrediction,
+    kernels_run,
+    plan_bound_ms,
+    planned_ms,
+    xla_ms,
+)
 from tf_ucudnn.core.conv_layer import ConvLayer
 from tf_ucudnn.core.errors import TfUcudnnError
-from tf_ucudnn.core.plan import BACKPROP_INPUT, DIRECT, KERNELS, Algorithm, LayerPlan
+from tf_ucudnn.core.plan import DIRECT, KERNELS, LayerPlan
 from tf_ucudnn.core.units import parse_bytes
 from tf_ucudnn.kernels.library import gpu_kernels_available
 from tf_ucudnn.options import default_database
-from tf_ucudnn.profiling import ProfileDatabase
-from tf_ucudnn.profiling.profiler import Machine, current_machine, profile
+from tf_ucudnn.profiling import ProfileDatabase, packaged_profiles
+from tf_ucudnn.profiling.profiler import Machine, current_machine
 
 
 class PlannerError(TfUcudnnError, RuntimeError):
@@ -65,17 +79,6 @@ def resolve_machine(database: ProfileDatabase, device: Optional[str] = None,
     return Machine(*matching[0]), False
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerPrediction:
-    """A layer's predicted time, its three kernels together, from the profile database: as XLA's
-    own convolution would run it (the best undivided algorithm at the whole batch, whatever its
-    workspace: XLA's autotuner is not held to a limit) and as its plan would. None where the
-    database cannot tell."""
-
-    xla_ms: Optional[float]
-    plan_ms: Optional[float]
-
-
 class DatabasePlanner:
     """Plans layers from a profile database, measuring missing geometries when it can.
 
@@ -85,6 +88,10 @@ class DatabasePlanner:
     `xla_margin` faster than XLA's own convolution (see `LayerPrediction`); the others are left
     to XLA, with the two predictions as the reason. The margin covers what a custom call costs
     XLA: the convolution is no longer fused with what surrounds it.
+
+    `profiling_seconds` bounds the time measuring takes (by `clock`; None: no bound): once it is
+    spent, a layer that needs measuring is left alone and kept `pending`, for `measure_pending`
+    (see `LayerTimings`).
     """
 
     def __init__(self, database: ProfileDatabase, workspace_limit_bytes: Optional[int], *,
@@ -92,7 +99,8 @@ class DatabasePlanner:
                  machine: Optional[Machine] = None, measure: Optional[bool] = None,
                  deterministic_only: Optional[bool] = None, call_overhead_ms: float = 0.0,
                  leave_undivided_to_tensorflow: bool = False, compare_with_xla: bool = False,
-                 xla_margin: float = 0.1):
+                 xla_margin: float = 0.1, profiling_seconds: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.database = database
         self.workspace_limit_bytes = workspace_limit_bytes
         self.measure = machine is None if measure is None else measure
@@ -108,17 +116,25 @@ class DatabasePlanner:
                              "or both")
         self.workspace_budget_bytes = workspace_budget_bytes
         self._network_plans: dict[ConvLayer, Union[LayerPlan, str]] = {}
-        self._tables: dict[ConvLayer, Union[dict, str]] = {}
+        # Planning and predicting a layer both read its tables: read (and measured) once.
+        self._timings = LayerTimings(
+            database, self.machine, self.measure,
+            judge_unmeasured=self._left_to_xla_unmeasured if compare_with_xla else None,
+            profiling_seconds=profiling_seconds, clock=clock)
 
     @classmethod
     def open(cls, workspace_limit: Union[int, str, None] = None,
              database: Optional[str] = None, profiles: Iterable[str] = (),
              device: Optional[str] = None, cudnn_version: Optional[int] = None,
-             workspace_budget: Union[int, str, None] = None, **options) -> "DatabasePlanner":
-        """A planner over the database file (created if new), with `profiles` imported into it.
+             workspace_budget: Union[int, str, None] = None, import_packaged: bool = True,
+             **options) -> "DatabasePlanner":
+        """A planner over the database file (created if new), with `profiles` imported into it,
+        and, with `import_packaged`, the profiles packaged with tf_ucudnn of the machine it plans
+        for, where the database has not measured those kernels itself.
 
         On a GPU with the cuDNN kernels it measures what is missing; elsewhere it plans from the
-        measurements of `device` (or of the only machine the database holds). Close it when done.
+        measurements of `device` (or of the only machine the database holds). `options` go to the
+        constructor (`profiling_seconds`, `compare_with_xla`, ...). Close it when done.
         """
         database = database or default_database()
         os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
@@ -126,7 +142,13 @@ class DatabasePlanner:
         try:
             for path in profiles:
                 db.import_jsonl(path)
+            if import_packaged and device is not None and cudnn_version is not None:
+                # Before resolving: a database without this machine's measurements may plan from
+                # its packaged ones.
+                db.import_missing(packaged_profiles(), device, cudnn_version)
             machine, can_measure = resolve_machine(db, device, cudnn_version)
+            if import_packaged:
+                db.import_missing(packaged_profiles(), machine.device, machine.cudnn_version)
         except BaseException:
             db.close()
             raise
@@ -144,25 +166,32 @@ class DatabasePlanner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _timings(self, layer: ConvLayer) -> Union[dict, str]:
-        """kernel -> timing table of the layer, or why there is none; read (and measured) once
-        per layer, as planning and predicting a layer both need them."""
-        if layer not in self._tables:
-            self._tables[layer] = self._read_timings(layer)
-        return self._tables[layer]
+    @property
+    def pending(self) -> tuple[ConvLayer, ...]:
+        """The layers left alone because the profiling budget was spent, in the order met."""
+        return self._timings.pending
 
-    def _read_timings(self, layer: ConvLayer) -> Union[dict, str]:
-        geometry = layer.cudnn_geometry()
-        if self.measure:
-            profile([(geometry, layer.name)], layer.batch_size, self.database, progress=False)
-        tables = {}
-        for kernel in KERNELS:
-            tables[kernel] = self.database.timings(self.machine.device,
-                                                   self.machine.cudnn_version, geometry, kernel)
-            if layer.batch_size not in tables[kernel]:
-                return (f"no profile of its {kernel} kernel at batch {layer.batch_size} on "
-                        f"{self.machine.device} (cuDNN {self.machine.cudnn_version})")
-        return tables
+    def measure_pending(self, seconds: float) -> int:
+        """Measures pending layers into the database until measuring has taken `seconds`;
+        returns how many layers it finished. Those are planned from then on (under a workspace
+        budget, once `prepare` runs again)."""
+        return self._timings.measure_pending(seconds)
+
+    def _left_to_xla_unmeasured(self, layer: ConvLayer, tables: dict,
+                                unmeasured: Sequence[int]) -> Optional[str]:
+        """Why the layer is left to XLA before its `unmeasured` micro-batch sizes are: the
+        bound on any plan (`plan_bound_ms`) does not gain the margin over XLA's convolution.
+        None where it does."""
+        xla = xla_ms(layer, tables, deterministic_only=self.deterministic_only)
+        bound = plan_bound_ms(layer, tables, deterministic_only=self.deterministic_only,
+                              call_overhead_ms=self.call_overhead_ms)
+        if xla is None or bound is None or bound <= (1 - self.xla_margin) * xla:
+            return None
+        return (f"XLA's own convolution, judged from the whole batch alone: no plan is assumed "
+                f"faster than the fastest whole-batch run in any form with any workspace, "
+                f"{bound:.3f} ms, against {xla:.3f} ms undivided as XLA runs it (a plan must "
+                f"gain {self.xla_margin:.0%}); micro-batches of "
+                f"{', '.join(map(str, unmeasured))} not measured")
 
     def prepare(self, layers: Iterable[ConvLayer]) -> None:
         """With a workspace budget, plans `layers` together (the rewrite pass calls this first).
@@ -278,25 +307,17 @@ class DatabasePlanner:
     def predict(self, layer: ConvLayer, plan: Union[LayerPlan, str, None] = None
                 ) -> LayerPrediction:
         """The layer's predicted time as XLA's convolution and, if given, as `plan`: the
-        kernels training runs (`kernels_run`)."""
+        kernels training runs (`kernels_run`). Neither for a layer left to XLA before its
+        micro-batches were measured."""
         tables = self._timings(layer)
         if isinstance(tables, str):
             return LayerPrediction(None, None)
-        xla_ms = 0.0
-        for kernel in kernels_run(layer):
-            try:
-                xla_ms += fastest_configuration(
-                    kernel, tables[kernel], layer.batch_size, None,
-                    deterministic_only=self.deterministic_only,
-                    micro_batch_sizes=[layer.batch_size], form=DIRECT).time_ms
-            except NoFeasiblePlanError:
-                return LayerPrediction(None, None)
-        plan_ms = None
-        if isinstance(plan, LayerPlan):
-            times = [_planned_ms(plan.kernel(kernel), tables[kernel], self.call_overhead_ms)
-                     for kernel in kernels_run(layer)]
-            plan_ms = None if None in times else sum(times)
-        return LayerPrediction(xla_ms, plan_ms)
+        as_xla = xla_ms(layer, tables, deterministic_only=self.deterministic_only)
+        if as_xla is None:
+            return LayerPrediction(None, None)
+        as_planned = (planned_ms(layer, plan, tables, self.call_overhead_ms)
+                      if isinstance(plan, LayerPlan) else None)
+        return LayerPrediction(as_xla, as_planned)
 
     def configurations(self, layer: ConvLayer) -> Union[dict[str, KernelConfiguration], str]:
         """Each kernel's fastest configuration within the workspace limit, planned alone (the
@@ -342,33 +363,3 @@ class NetworkPlanning:
         plans = self.plan.layer_plans() if self.plan is not None else {}
         return {layer: self.reasons[layer] if layer in self.reasons else plans[name]
                 for layer, name in zip(self.layers, self.names)}
-
-
-def kernels_run(layer: ConvLayer) -> tuple[str, ...]:
-    """The layer's kernels a training step runs: all three, but no input gradient where no
-    variable feeds the input (`ConvLayer.input_gradient`)."""
-    return tuple(k for k in KERNELS if layer.input_gradient or k != BACKPROP_INPUT)
-
-
-def _planned_ms(kernel_plan, timings, call_overhead_ms: float) -> Optional[float]:
-    """The measured time of a kernel plan's micro-batches, None if one was not measured."""
-    total = 0.0
-    for micro_batch in kernel_plan.micro_batches:
-        matching = [t.time_ms for t in timings.get(micro_batch.size, ())
-                    if _runs_as_planned(t.algorithm, micro_batch.algorithm)]
-        if not matching:
-            return None
-        total += min(matching) + call_overhead_ms
-    return total
-
-
-def _runs_as_planned(measured: Algorithm, planned: Algorithm) -> bool:
-    """Whether a measurement is of what a plan runs: the same engine configuration, or the same
-    legacy algorithm in the planned math mode (any, where the plan leaves it to TensorFlow), in
-    the planned form."""
-    if planned.is_engine:
-        return measured == planned
-    if planned.algo is None:  # cuDNN's heuristics choose at run time: nothing measured is it
-        return False
-    return (measured.algo == planned.algo and planned.math in (None, measured.math)
-            and measured.form == planned.form)

@@ -1,6 +1,6 @@
 """Measured cuDNN timings: records, JSON-lines files and the per-machine profile database, with
-the measured H100 profiles packaged (`packaged_profiles()`); and what a traced TensorFlow step did,
-from the profiler's XSpace (`step_trace`)."""
+the measured H100 and H200 profiles packaged (`packaged_profiles()`); and what a traced TensorFlow
+step did, from the profiler's XSpace (`step_trace`)."""
 
 from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.profiling.database import ProfileDatabase, ProfileDatabaseError

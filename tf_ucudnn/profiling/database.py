@@ -12,6 +12,11 @@ another schema version) raises `ProfileDatabaseError` naming the file and the re
 is never written to. A file of an earlier schema version is migrated in place to the current one
 when opened: version 1 kept legacy algorithms only, in `algo` and `math` columns; version 2 did not
 record whether an engine configuration is deterministic.
+
+`import_missing` remembers, in a table of its own (`imported_files`, made when first needed),
+which profile files it has taken a machine's records from. That table changes nothing about the
+measurements, so it leaves the schema version as it is: a tf_ucudnn that does not know it reads
+and writes the file as before.
 """
 
 from __future__ import annotations
@@ -47,6 +52,18 @@ _KEY_COLUMNS = ("device", "cudnn_version", "dtype", "layout", "geometry", "kerne
                 "algorithm")
 _MEASURED_COLUMNS = ("time_ms", "workspace_bytes")
 _COLUMNS = _KEY_COLUMNS + _MEASURED_COLUMNS + ("deterministic",)
+
+
+# Which files `import_missing` has taken a machine's records from, each known by its name and size.
+_IMPORTED_FILES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS imported_files (
+    name TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    device TEXT NOT NULL,
+    cudnn_version INTEGER NOT NULL,
+    PRIMARY KEY (name, size, device, cudnn_version)
+) WITHOUT ROWID
+"""
 
 
 def _schema(table: str) -> str:
@@ -120,13 +137,46 @@ class ProfileDatabase:
 
     def insert(self, records: Iterable[ProfileRecord]) -> int:
         """Adds records in one transaction, replacing earlier measurements of the same key."""
+        with self._errors("cannot insert measurements"), self._transaction():
+            return self._insert_rows(records)
+
+    def _insert_rows(self, records: Iterable[ProfileRecord]) -> int:
         rows = [_row(record) for record in records]
         placeholders = ", ".join("?" * len(_COLUMNS))
-        with self._errors("cannot insert measurements"), self._transaction():
-            self._connection.executemany(
-                f"INSERT OR REPLACE INTO measurements ({', '.join(_COLUMNS)}) "
-                f"VALUES ({placeholders})", rows)
+        self._connection.executemany(
+            f"INSERT OR REPLACE INTO measurements ({', '.join(_COLUMNS)}) "
+            f"VALUES ({placeholders})", rows)
         return len(rows)
+
+    def import_missing(self, paths: Iterable[PathLike], device: str, cudnn_version: int) -> int:
+        """Adds one machine's records from profile files (the packaged ones, say) for the kernels
+        it has no measurement of on that machine; returns how many were added.
+
+        A kernel measured here keeps its own timings, none mixed in from another measuring run.
+        Each file is read once per machine: the database remembers it by name and size (so a
+        file changed by a later release is read again), and reading is what costs (seconds for
+        tens of thousands of records), not looking.
+        """
+        with self._errors("cannot import profiles"):
+            self._connection.execute(_IMPORTED_FILES_SCHEMA)
+            done = set(self._connection.execute(
+                "SELECT name, size FROM imported_files WHERE device = ? AND cudnn_version = ?",
+                (device, cudnn_version)))
+        added = 0
+        for path in paths:
+            mark = (os.path.basename(path), os.path.getsize(path))
+            if mark in done:
+                continue
+            records = [r for r in read_jsonl(path)
+                       if (r.device, r.cudnn_version) == (device, cudnn_version)]
+            with self._errors("cannot import profiles"), self._transaction():
+                measured = set(self._connection.execute(
+                    "SELECT DISTINCT dtype, layout, geometry, kernel FROM measurements "
+                    "WHERE device = ? AND cudnn_version = ?", (device, cudnn_version)))
+                added += self._insert_rows(r for r in records if _kernel_columns(r) not in measured)
+                self._connection.execute("INSERT OR IGNORE INTO imported_files VALUES (?, ?, ?, ?)",
+                                         (*mark, device, cudnn_version))
+        return added
 
     def timings(self, device: str, cudnn_version: int, geometry: ConvGeometry,
                 kernel: str) -> dict[int, tuple[AlgorithmTiming, ...]]:
@@ -274,10 +324,15 @@ def _machine_filter(device: Optional[str], cudnn_version: Optional[int]) -> tupl
             tuple(value for _, value in conditions))
 
 
-def _row(record: ProfileRecord) -> tuple:
+def _kernel_columns(record: ProfileRecord) -> tuple:
+    """The columns that name a record's kernel on its machine, as stored."""
     g = record.geometry
-    return (record.device, record.cudnn_version, g.dtype, g.layout, g.shape_key(), record.kernel,
-            record.batch_size, record.algorithm.to_attr(), record.time_ms, record.workspace_bytes,
+    return g.dtype, g.layout, g.shape_key(), record.kernel
+
+
+def _row(record: ProfileRecord) -> tuple:
+    return (record.device, record.cudnn_version, *_kernel_columns(record), record.batch_size,
+            record.algorithm.to_attr(), record.time_ms, record.workspace_bytes,
             None if record.deterministic is None else int(record.deterministic))
 
 

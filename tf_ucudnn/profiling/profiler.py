@@ -151,35 +151,62 @@ def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: s
                        for t in timings.get(s, ()))]
 
 
-def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
-            database: ProfileDatabase, policy: str = POWER_OF_TWO,
-            kernels: Sequence[str] = KERNELS, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
-            device: str = "/GPU:0", progress: bool = True,
-            engines: Optional[bool] = None) -> int:
-    """Measures what the database lacks for (geometry, label) pairs; returns records added.
+@dataclasses.dataclass(frozen=True)
+class MissingMeasurement:
+    """What one `measure` call would add to the database: one kind of candidate of one kernel in
+    one form, at the sizes the database lacks."""
 
-    A kernel counts as measured when the database has every candidate size for it: legacy
-    algorithms always, and with `engines` (by default: where the op library was built with
-    cudnn-frontend) engine configurations too, each kind measured apart, so a database of legacy
-    timings only gains the engines'; each kind in each of `forms_to_measure(geometry)`.
-    """
-    machine = current_machine(device)
+    geometry: ConvGeometry
+    label: str
+    kernel: str
+    sizes: tuple[int, ...]
+    candidates: str
+    form: str
+
+
+def missing_measurements(geometries: Iterable[tuple[ConvGeometry, str]], sizes: Sequence[int],
+                         database: ProfileDatabase, machine: Machine,
+                         kernels: Sequence[str] = KERNELS,
+                         engines: Optional[bool] = None) -> list[MissingMeasurement]:
+    """What the database lacks of (geometry, label) pairs at `sizes`: legacy algorithms always,
+    engine configurations too with `engines` (by default: where the op library was built with
+    cudnn-frontend), each kind in each of `forms_to_measure(geometry)`."""
     if engines is None:
         engines = engines_available()
-    sizes = micro_batch_sizes(batch_size, policy)
     kinds = (LEGACY, ENGINES) if engines else (LEGACY,)
-    todo = []
+    missing = []
     for geometry, label in geometries:
         for kernel in kernels:
             known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
             for candidates in kinds:
                 for form in forms_to_measure(geometry):
-                    missing = unmeasured_sizes(known, sizes, candidates, form)
-                    if missing:
-                        todo.append((geometry, label, kernel, missing, candidates, form))
+                    unmeasured = unmeasured_sizes(known, sizes, candidates, form)
+                    if unmeasured:
+                        missing.append(MissingMeasurement(geometry, label, kernel,
+                                                          tuple(unmeasured), candidates, form))
+    return missing
+
+
+def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,
+            database: ProfileDatabase, policy: str = POWER_OF_TWO,
+            kernels: Sequence[str] = KERNELS, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
+            device: str = "/GPU:0", progress: bool = True,
+            engines: Optional[bool] = None, *, sizes: Optional[Sequence[int]] = None,
+            machine: Optional[Machine] = None) -> int:
+    """Measures what the database lacks for (geometry, label) pairs; returns records added.
+
+    A kernel counts as measured when the database has every size for it: the policy's
+    micro-batch sizes of `batch_size`, or `sizes` where given (e.g. the whole batch alone); see
+    `missing_measurements` for the kinds of candidate and forms. `machine` saves asking the GPU
+    which it is, where the caller knows.
+    """
+    machine = machine or current_machine(device)
+    if sizes is None:
+        sizes = micro_batch_sizes(batch_size, policy)
+    missing = missing_measurements(geometries, sizes, database, machine, kernels, engines)
     added = 0
-    for geometry, label, kernel, missing, candidates, form in tqdm(
-            todo, desc="profiling cuDNN", unit="kernel", disable=not progress):
-        added += database.insert(measure(geometry, kernel, missing, machine, workspace_limit,
-                                         device, label, candidates, form))
+    for todo in tqdm(missing, desc="profiling cuDNN", unit="kernel", disable=not progress):
+        added += database.insert(measure(todo.geometry, todo.kernel, todo.sizes, machine,
+                                         workspace_limit, device, todo.label, todo.candidates,
+                                         todo.form))
     return added

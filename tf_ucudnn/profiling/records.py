@@ -54,9 +54,12 @@ class ProfileFileError(TfUcudnnError, ValueError):
 
 
 def packaged_profiles() -> tuple[Path, ...]:
-    """The measured profiles shipped with tf_ucudnn, so that planning works without a GPU:
-    NVIDIA H100 80GB HBM3, cuDNN 9.14, float32; VGG16 and ResNet-50 in NHWC up to batch 128,
-    AlexNet and ResNet-50 in NCHW up to batch 256 (power-of-two micro-batches)."""
+    """The measured profiles shipped with tf_ucudnn, so that planning works without a GPU and a
+    first plan on these machines measures less (`DatabasePlanner.open` imports its machine's),
+    all cuDNN 9.14, float32, power-of-two micro-batches: NVIDIA H100 80GB HBM3, VGG16 and
+    ResNet-50 in NHWC up to batch 128, AlexNet and ResNet-50 in NCHW up to batch 256 (legacy
+    algorithms); NVIDIA H200, ResNet-50 in NHWC up to batch 128 (legacy algorithms and engine
+    configurations, in every form)."""
     return tuple(sorted(PACKAGED_PROFILES_DIR.glob("*.jsonl.gz")))
 
 
