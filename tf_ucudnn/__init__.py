@@ -1,10 +1,12 @@
 """tf_ucudnn: micro-batched cuDNN convolutions for TensorFlow, training beyond device memory, and
 spatial parallelism for 3-D CNNs.
 
-Importing the package registers the ops' gradients but loads no op library: the entry points load
-it when they first need it. Loading a SavedModel or GraphDef that holds tf_ucudnn's ops needs
-`tf_ucudnn.load_ops()` first.
+Importing the package registers the ops, their kernels and their gradients, so that a SavedModel
+or GraphDef holding tf_ucudnn's ops loads after the import alone. Where the op library is not
+built, the import still works and the ops raise LibraryNotBuilt where they are first used.
 """
+
+import contextlib
 
 from tf_ucudnn import memory, parallel  # noqa: F401  (as tf_ucudnn.memory, tf_ucudnn.parallel)
 from tf_ucudnn.api import rewrite
@@ -12,7 +14,12 @@ from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.errors import TfUcudnnError
 from tf_ucudnn.core.plan import Algorithm, KernelPlan, LayerPlan, MicroBatch
 from tf_ucudnn.keras.callback import MicroBatchCallback
-from tf_ucudnn.kernels.library import engines_available, gpu_kernels_available, load_ops
+from tf_ucudnn.kernels.library import (
+    LibraryNotBuilt,
+    engines_available,
+    gpu_kernels_available,
+    load_ops,
+)
 from tf_ucudnn.kernels.ops import (
     conv2d,
     conv2d_backprop_filter,
@@ -23,6 +30,9 @@ from tf_ucudnn.kernels.ops import (
 )
 from tf_ucudnn.report import RewriteReport
 from tf_ucudnn.savedmodel.converter import ConversionError, Converter
+
+with contextlib.suppress(LibraryNotBuilt):  # raised again where an op is first used
+    load_ops()
 
 __all__ = [
     "Algorithm", "ConversionError", "Converter", "DatabasePlanner", "KernelPlan", "LayerPlan",
