@@ -1,9 +1,9 @@
 """tf_ucudnn: micro-batched cuDNN convolutions for TensorFlow, training beyond device memory, and
 spatial parallelism for 3-D CNNs.
 
-Importing the package registers the ops' gradients but loads no op library: the entry points load
-it when they first need it. Loading a SavedModel or GraphDef that holds tf_ucudnn's ops needs
-`tf_ucudnn.load_ops()` first.
+Importing the package registers the ops, their kernels and their gradients, so that a SavedModel
+or GraphDef holding tf_ucudnn's ops loads after the import alone. Where the op library is not
+built, the import still works and the ops raise LibraryNotBuilt where they are first used.
 """
 
 from tf_ucudnn import memory, parallel  # noqa: F401  (as tf_ucudnn.memory, tf_ucudnn.parallel)

@@ -1,6 +1,9 @@
 """Converter: SavedModels converted to tf_ucudnn ops serve the same signatures and outputs."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -13,6 +16,7 @@ from tf_ucudnn.options import Options, OptionsError
 from tf_ucudnn.savedmodel.converter import ConversionError, Converter
 
 BATCH = 6
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Compared with the original at float32 precision: on a GPU, TF32 would round TensorFlow's and
 # tf_ucudnn's algorithms differently.
@@ -262,3 +266,32 @@ def test_options_and_keyword_settings_fold_into_one_options(tmp_path):
         Converter(path, batch_size=BATCH, planner=split_in_two, profiles=["mine.jsonl"])
     with pytest.raises(OptionsError, match="trial_steps: not a setting of Options"):
         Converter(path, batch_size=BATCH, trial_steps=0)
+
+
+def test_converted_model_loads_after_importing_tf_ucudnn_alone(converted, tmp_path):
+    """In a fresh process, with no load_ops() call: the import registers the ops the model holds."""
+    _, out, model = converted
+    assert "UcudnnConv2D" in _saved_op_types(out)
+    x = np.random.RandomState(3).rand(BATCH, 12, 12, 3).astype("float32")  # the planned batch
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import tensorflow as tf
+        import tf_ucudnn
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        signature = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+        (name,) = signature.structured_input_signature[1]
+        (output,) = signature(**{name: tf.constant(np.load(sys.argv[2]))}).values()
+        np.save(sys.argv[3], output.numpy())
+        print(tf_ucudnn.__file__)
+    """)
+    # This checkout's tf_ucudnn, not the one an editable install may point at.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", script, out, str(tmp_path / "x.npy"),
+                             str(tmp_path / "y.npy")], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == os.path.join(REPO, "tf_ucudnn", "__init__.py")
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), model(x).numpy(), rtol=1e-5,
+                               atol=1e-6)
