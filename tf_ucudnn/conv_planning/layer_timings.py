@@ -18,9 +18,10 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 from tf_ucudnn.core.conv_layer import ConvLayer
+from tf_ucudnn.core.geometry import ConvGeometry
 from tf_ucudnn.core.plan import KERNELS
-from tf_ucudnn.profiling import POWER_OF_TWO, ProfileDatabase, micro_batch_sizes
-from tf_ucudnn.profiling.profiler import Machine, missing_measurements, profile
+from tf_ucudnn.profiling import POWER_OF_TWO, KernelTimings, ProfileDatabase, micro_batch_sizes
+from tf_ucudnn.profiling.profiler import Machine, MissingMeasurement, kernel_missing, profile
 
 # A judgement of a layer from its whole-batch tables: why it is left alone without measuring the
 # micro-batch sizes given (those the database lacks), or None to measure them.
@@ -70,6 +71,10 @@ class LayerTimings:
         self.budget = ProfilingBudget(profiling_seconds, clock)
         self._tables: dict[ConvLayer, Union[dict, str]] = {}
         self._pending: list[ConvLayer] = []
+        # Each geometry's tables as the database holds them, read again only after measuring it:
+        # reading one kernel's thousands of rows takes tens of milliseconds, and a model's
+        # layers share geometries.
+        self._known: dict[ConvGeometry, dict[str, KernelTimings]] = {}
 
     def __call__(self, layer: ConvLayer) -> Union[dict, str]:
         if layer not in self._tables:
@@ -119,9 +124,18 @@ class LayerTimings:
             return None
         return self._read(layer)
 
-    def _missing(self, layer: ConvLayer, sizes: Sequence[int]):
-        return missing_measurements([(layer.cudnn_geometry(), layer.name)], sizes, self.database,
-                                    self.machine)
+    def _known_tables(self, geometry: ConvGeometry) -> dict[str, KernelTimings]:
+        if geometry not in self._known:
+            self._known[geometry] = {
+                kernel: self.database.timings(self.machine.device, self.machine.cudnn_version,
+                                              geometry, kernel) for kernel in KERNELS}
+        return self._known[geometry]
+
+    def _missing(self, layer: ConvLayer, sizes: Sequence[int]) -> list[MissingMeasurement]:
+        geometry = layer.cudnn_geometry()
+        known = self._known_tables(geometry)
+        return [missing for kernel in KERNELS
+                for missing in kernel_missing(geometry, layer.name, kernel, known[kernel], sizes)]
 
     def _measure(self, layer: ConvLayer, sizes: Sequence[int], budget: ProfilingBudget) -> bool:
         """Measures what the database lacks of the layer at `sizes`, where measuring; False
@@ -130,17 +144,16 @@ class LayerTimings:
             return True
         if budget.spent:
             return False
+        geometry = layer.cudnn_geometry()
         with budget.timing():
-            profile([(layer.cudnn_geometry(), layer.name)], layer.batch_size, self.database,
-                    progress=False, sizes=sizes, machine=self.machine)
+            profile([(geometry, layer.name)], layer.batch_size, self.database, progress=False,
+                    sizes=sizes, machine=self.machine)
+        del self._known[geometry]
         return True
 
     def _read(self, layer: ConvLayer) -> Union[dict, str]:
-        geometry = layer.cudnn_geometry()
-        tables = {}
+        tables = self._known_tables(layer.cudnn_geometry())
         for kernel in KERNELS:
-            tables[kernel] = self.database.timings(self.machine.device,
-                                                   self.machine.cudnn_version, geometry, kernel)
             if layer.batch_size not in tables[kernel]:
                 return (f"no profile of its {kernel} kernel at batch {layer.batch_size} on "
                         f"{self.machine.device} (cuDNN {self.machine.cudnn_version})")

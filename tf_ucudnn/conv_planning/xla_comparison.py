@@ -10,13 +10,13 @@ can beat XLA by the margin it asks, and so leave the micro-batches unmeasured. I
 per-sample throughput does not rise as the batch shrinks: no micro-batch of b samples runs faster
 than b/B of the fastest whole-batch run (of B samples, in any form with any workspace). Then a
 plan of micro-batches b_1 + ... + b_k = B takes at least T(B), the fastest whole-batch time, plus
-one call's overhead. Checked on the measured tables of shared/profiles and profiling/data (H100
-fp32 and fp16, H200 fp32; 282 kernels): a size's fastest run beats the whole batch's per sample
-at 17 of 2109 sizes, all at half or a quarter of the batch, by up to 1.17x in fp32 and 1.97x in
-fp16. Of 470 layer decisions (each layer under five workspace limits, margin 10%), the bound
-leaves 4 to XLA that measuring everything would plan, all in fp16: AlexNet's conv3, whose filter
-gradient runs twice as fast per sample at half the batch. In fp32 it decides as measuring
-everything does.
+one call's overhead. Checked on the measured tables of shared/profiles, profiling/data and the
+H200's ResNet-50 (H100 fp32 and fp16, H200 fp32; 282 kernels): a size's fastest run beats the
+whole batch's per sample at 17 of 2109 sizes, all at half or a quarter of the batch, by up to
+1.17x in fp32 and 1.97x in fp16. Of 470 layer decisions (each layer under five workspace limits,
+margin 10%), the bound leaves 4 to XLA that measuring everything would plan, all in fp16:
+AlexNet's conv3, whose filter gradient runs twice as fast per sample at half the batch. In fp32
+it decides as measuring everything does.
 """
 
 from __future__ import annotations

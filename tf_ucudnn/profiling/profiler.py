@@ -146,9 +146,9 @@ def unmeasured_sizes(timings: KernelTimings, sizes: Sequence[int], candidates: s
     """The sizes at which a kernel's timing table has no measurement of that kind of candidate
     in that form."""
     wanted = (candidates == ENGINES, form)
+    # The timing's own fields: building its Algorithm for each of thousands of rows is slow.
     return [s for s in sizes
-            if not any((t.algorithm.is_engine, t.algorithm.form) == wanted
-                       for t in timings.get(s, ()))]
+            if not any((t.engine is not None, t.form) == wanted for t in timings.get(s, ()))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,23 +168,26 @@ def missing_measurements(geometries: Iterable[tuple[ConvGeometry, str]], sizes: 
                          database: ProfileDatabase, machine: Machine,
                          kernels: Sequence[str] = KERNELS,
                          engines: Optional[bool] = None) -> list[MissingMeasurement]:
-    """What the database lacks of (geometry, label) pairs at `sizes`: legacy algorithms always,
-    engine configurations too with `engines` (by default: where the op library was built with
+    """What the database lacks of (geometry, label) pairs at `sizes` (see `kernel_missing`)."""
+    return [missing for geometry, label in geometries for kernel in kernels
+            for missing in kernel_missing(
+                geometry, label, kernel,
+                database.timings(machine.device, machine.cudnn_version, geometry, kernel),
+                sizes, engines)]
+
+
+def kernel_missing(geometry: ConvGeometry, label: str, kernel: str, known: KernelTimings,
+                   sizes: Sequence[int], engines: Optional[bool] = None
+                   ) -> list[MissingMeasurement]:
+    """What a kernel's timing table `known` lacks at `sizes`: legacy algorithms always, engine
+    configurations too with `engines` (by default: where the op library was built with
     cudnn-frontend), each kind in each of `forms_to_measure(geometry)`."""
     if engines is None:
         engines = engines_available()
     kinds = (LEGACY, ENGINES) if engines else (LEGACY,)
-    missing = []
-    for geometry, label in geometries:
-        for kernel in kernels:
-            known = database.timings(machine.device, machine.cudnn_version, geometry, kernel)
-            for candidates in kinds:
-                for form in forms_to_measure(geometry):
-                    unmeasured = unmeasured_sizes(known, sizes, candidates, form)
-                    if unmeasured:
-                        missing.append(MissingMeasurement(geometry, label, kernel,
-                                                          tuple(unmeasured), candidates, form))
-    return missing
+    return [MissingMeasurement(geometry, label, kernel, tuple(unmeasured), candidates, form)
+            for candidates in kinds for form in forms_to_measure(geometry)
+            if (unmeasured := unmeasured_sizes(known, sizes, candidates, form))]
 
 
 def profile(geometries: Iterable[tuple[ConvGeometry, str]], batch_size: int,

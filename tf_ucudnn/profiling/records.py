@@ -25,6 +25,7 @@ and the reason. `packaged_profiles()` lists the measured profiles shipped with t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import math as _math
@@ -101,7 +102,9 @@ class AlgorithmTiming:
         return cls(algorithm.algo, algorithm.math, time_ms, workspace_bytes, algorithm.engine,
                    algorithm.knobs, algorithm.form, deterministic)
 
-    @property
+    # Built once: planning asks a table's thousands of timings for theirs many times, and each
+    # Algorithm checks its fields.
+    @functools.cached_property
     def algorithm(self) -> Algorithm:
         return Algorithm(self.algo, self.math, self.engine, self.knobs, self.form)
 
