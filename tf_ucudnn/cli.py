@@ -118,7 +118,7 @@ def _plan_command(args) -> int:
         if options.profiles:
             database.insert(profile_records)
         elif len(database) == 0 and packaged_profiles():
-            _import_packaged_profiles(database)
+            _import_packaged_profiles(database, args.device, args.cudnn_version)
         machine, can_measure = resolve_machine(database, args.device, args.cudnn_version)
         if can_measure:
             profile(_geometries(args.model, layers), args.batch, database, policy=args.policy)
@@ -146,14 +146,23 @@ def _write_json(path: str, data: dict) -> None:
         json.dump(data, out, indent=1)
 
 
-def _import_packaged_profiles(database: ProfileDatabase) -> None:
-    """Fills an empty database with the packaged profiles, so that planning needs no GPU."""
+def _import_packaged_profiles(database: ProfileDatabase, device: Optional[str],
+                              cudnn_version: Optional[int]) -> None:
+    """Fills an empty database with one machine's packaged profiles (the one named, else the
+    first by name), so that planning needs no GPU."""
     records = _read_profiles(packaged_profiles())
-    database.insert(records)
-    machines = sorted({(r.device, r.cudnn_version) for r in records})
+    machines = sorted({(r.device, r.cudnn_version) for r in records
+                       if device in (None, r.device) and cudnn_version in (None, r.cudnn_version)})
+    if not machines:
+        return  # resolve_machine says which machines the database holds: none
+    chosen = [r for r in records if (r.device, r.cudnn_version) == machines[0]]
+    database.insert(chosen)
+    others = sorted({(r.device, r.cudnn_version) for r in records} - {machines[0]})
     print(f"tf-ucudnn plan: {database.path} held no measurements and no --profiles were given: "
-          f"imported the {len(records)} packaged ones of {_describe(machines)} from "
-          f"{PACKAGED_PROFILES_DIR}", file=sys.stderr)
+          f"imported the {len(chosen)} packaged ones of {_describe(machines[:1])} from "
+          f"{PACKAGED_PROFILES_DIR}"
+          + (f" (also packaged: {_describe(others)}; --device names another)" if others else ""),
+          file=sys.stderr)
 
 
 def _read_profiles(paths: Sequence[str], device: Optional[str] = None,
