@@ -67,6 +67,7 @@ def test_the_budget_is_a_share_of_the_first_epoch_estimated_from_its_first_steps
         budget.step_ended(seconds)
     assert budget.ready and not budget.wants_step_time()
     assert budget.seconds == pytest.approx(0.5 * (10.0 + 99 * 0.02))
+    assert budget.later_seconds == pytest.approx(0.5 * 100 * 0.02)  # a later epoch's share
     # A planner given plans by its own settings; the options' own is given the budget.
     assert budget.planner_settings(PendingPlanner()) == {}
     assert budget.planner_settings(None) == {"profiling_seconds": pytest.approx(5.99)}
@@ -85,14 +86,9 @@ def test_under_a_memory_budget_nothing_is_timed_and_nothing_measured_later():
     assert budget.timed_steps == 0 and not budget.measures_later
 
 
-def test_profiling_seconds_asked_for_is_the_budget(monkeypatch):
-    from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
-
+def test_profiling_seconds_asked_for_is_the_budget():
     options = KerasOptions(profiling_seconds=30)
-    # The options' own planner takes a budget once DatabasePlanner can measure later.
-    assert ProfilingBudget.choose(options, None, 100, False) == ProfilingBudget()
-    monkeypatch.setattr(DatabasePlanner, "measure_pending", lambda self, seconds: 0,
-                        raising=False)
+    # The options' own planner, a DatabasePlanner, measures later what the budget leaves.
     budget = ProfilingBudget.choose(options, None, 100, False)
     assert budget.timed_steps == 0 and budget.ready is False and budget.seconds == 30
     assert budget.planner_settings(None) == {"profiling_seconds": 30}

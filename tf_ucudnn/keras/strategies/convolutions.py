@@ -219,7 +219,7 @@ class ConvolutionPlanning(Strategy):
         """At an epoch's end: measures the layers the planner left waiting, within the profiling
         budget; how many it measured."""
         measure = getattr(self.planner, "measure_pending", None)
-        seconds = self.profiling.seconds
+        seconds = self.profiling.later_seconds
         if measure is None or seconds is None or not self.planner.pending:
             return 0
         measured = measure(seconds)

@@ -2,13 +2,13 @@
 its first epoch runs about as fast as Keras's.
 
 Measuring a layer's kernels on the GPU takes seconds; a model of many new layers would spend its
-first epoch measuring. A planner that can leave layers unmeasured (the profile database's, once
-it has `measure_pending`; or one given with it) measures within a budget instead: the options'
-`profiling_seconds`, else `profiling_share` of the first epoch's estimated time: the first step
-(which traces and compiles, as Keras's first epoch does) and Keras's other steps in the epoch at
-the step time measured on the steps after it, before planning (those steps train with Keras's own
-convolutions, so nothing is lost). Measured so, the budget is a share of what the first epoch
-takes without the callback, which its first epoch is held against. The layers left waiting are measured at the ends of later epochs within the same budget
+first epoch measuring. A planner that can leave layers unmeasured (a `DatabasePlanner`, or one
+given with `measure_pending`) measures within a budget instead: the options'
+`profiling_seconds`, else `profiling_share` of the first epoch's estimated time, its first step
+(which traces and compiles, as Keras's first epoch does) and Keras's other steps at the step time
+measured on the steps after it, before planning (those steps train with Keras's own convolutions,
+so nothing is lost). The layers left waiting are measured at the ends of later epochs, each
+within the share of a later epoch (its steps at that step time)
 (`ConvolutionPlanning.measure_pending`), except under a memory budget, whose plans are made once,
 at the first batch, before any step runs.
 """
@@ -19,7 +19,6 @@ import dataclasses
 import statistics
 from typing import Optional
 
-from tf_ucudnn.conv_planning.database_planner import DatabasePlanner
 from tf_ucudnn.core.plan import LayerPlanner
 from tf_ucudnn.options import KerasOptions
 
@@ -32,7 +31,7 @@ def takes_budget(options: KerasOptions, planner: Optional[LayerPlanner]) -> bool
     """Whether the planner can leave layers unmeasured and measure them later."""
     if planner is not None:
         return callable(getattr(planner, "measure_pending", None))
-    return options.plans_convolutions and hasattr(DatabasePlanner, "measure_pending")
+    return options.plans_convolutions  # the options' own: a DatabasePlanner
 
 
 @dataclasses.dataclass
@@ -71,6 +70,17 @@ class ProfilingBudget:
             return None
         return self.share * (self.first_step_seconds + (self.epoch_steps - 1)
                              * statistics.median(self.step_seconds))
+
+    @property
+    def later_seconds(self) -> Optional[float]:
+        """The budget at a later epoch's end: the share of that epoch, its steps at the measured
+        step time (the first epoch's share, which holds the compile, would take most of an
+        epoch of a few seconds)."""
+        if self.fixed_seconds is not None:
+            return self.fixed_seconds
+        if self.share is None or len(self.step_seconds) < max(self.timed_steps, 1):
+            return None
+        return self.share * self.epoch_steps * statistics.median(self.step_seconds)
 
     def wants_step_time(self) -> bool:
         """Whether the step about to run is to be timed for the estimate."""
