@@ -121,7 +121,8 @@ class Options:
                  if getattr(self, name) != getattr(default, name)]
         if given:
             raise OptionsError(f"{', '.join(given)} and planner=: those settings are read only "
-                               f"by tf_ucudnn's own planner, which a given planner replaces")
+                               f"by tf_ucudnn's own planner: they are for the default planner, "
+                               f"which a given planner replaces")
 
     def describe_workspace(self) -> str:
         """The workspace limits in words, for summaries."""

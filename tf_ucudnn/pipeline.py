@@ -21,7 +21,7 @@ from tf_ucudnn.core.plan import LayerPlanner
 from tf_ucudnn.graph.functions import callable_over, inline_function_calls, is_concrete_function
 from tf_ucudnn.graph.rewrite import graph_def_of
 from tf_ucudnn.memory.cost.device_model import DeviceModel
-from tf_ucudnn.options import Options, OptionsError
+from tf_ucudnn.options import Options
 from tf_ucudnn.passes import (
     CONVOLUTION_REWRITE,
     FUNCTION_GRAPH,
@@ -40,10 +40,7 @@ def entry_options(options: Optional[Options], planner: Optional[LayerPlanner],
     (`Options.resolve`); settings only the default planner reads, given beside a `planner`, are
     an error naming them (`Options.check_planner`)."""
     resolved = Options.resolve(options, **overrides)
-    try:
-        resolved.check_planner(planner)
-    except OptionsError as error:
-        raise OptionsError(f"{error} (settings for the default planner)") from None
+    resolved.check_planner(planner)
     return resolved
 
 
