@@ -29,7 +29,7 @@ JudgeUnmeasured = Callable[[ConvLayer, dict, Sequence[int]], Optional[str]]
 
 
 @dataclasses.dataclass
-class ProfilingBudget:
+class MeasuringTime:
     """Seconds that measuring may take (None: no limit) and has taken, by `clock`. It is looked
     at before each stage of a layer's measuring, so the last stage begun may run over."""
 
@@ -68,7 +68,7 @@ class LayerTimings:
         self.machine = machine
         self.measure = measure
         self.judge_unmeasured = judge_unmeasured
-        self.budget = ProfilingBudget(profiling_seconds, clock)
+        self.budget = MeasuringTime(profiling_seconds, clock)
         self._tables: dict[ConvLayer, Union[dict, str]] = {}
         self._pending: list[ConvLayer] = []
         # Each geometry's tables as the database holds them, read again only after measuring it:
@@ -94,7 +94,7 @@ class LayerTimings:
     def measure_pending(self, seconds: float) -> int:
         """Measures pending layers into the database until measuring has taken `seconds`;
         returns how many layers it finished, which are read from then on."""
-        budget = ProfilingBudget(seconds, self.budget.clock)
+        budget = MeasuringTime(seconds, self.budget.clock)
         finished = []
         for layer in self._pending:
             timings = self._measured(layer, budget)
@@ -104,7 +104,7 @@ class LayerTimings:
         self._pending = [layer for layer in self._pending if layer not in finished]
         return len(finished)
 
-    def _measured(self, layer: ConvLayer, budget: ProfilingBudget) -> Union[dict, str, None]:
+    def _measured(self, layer: ConvLayer, budget: MeasuringTime) -> Union[dict, str, None]:
         """The layer's tables, or why it has none, measuring within `budget` what the database
         lacks; None where measuring is needed and the budget is spent."""
         every_size = micro_batch_sizes(layer.batch_size, POWER_OF_TWO)
@@ -137,7 +137,7 @@ class LayerTimings:
         return [missing for kernel in KERNELS
                 for missing in kernel_missing(geometry, layer.name, kernel, known[kernel], sizes)]
 
-    def _measure(self, layer: ConvLayer, sizes: Sequence[int], budget: ProfilingBudget) -> bool:
+    def _measure(self, layer: ConvLayer, sizes: Sequence[int], budget: MeasuringTime) -> bool:
         """Measures what the database lacks of the layer at `sizes`, where measuring; False
         where something is lacking and the budget is spent."""
         if not self.measure or not self._missing(layer, sizes):
